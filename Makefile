@@ -1,0 +1,38 @@
+# `make test` builds the CPU environment in .venv/ when missing (or when the requirement
+# files change), then runs lint and the whole test suite.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+CONSTRAINTS := -c constraints-cpu.txt
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export TORCHDYNAMO_DISABLE := 1
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: venv test lint format clean
+
+venv: $(STAMP)
+
+$(STAMP): requirements-cpu.txt constraints-cpu.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install $(CONSTRAINTS) torch==2.13.0
+	DS_BUILD_OPS=0 $(PIP) install $(CONSTRAINTS) -r requirements-cpu.txt
+	$(PIP) install --no-deps openrlhf==0.11.2
+	$(PIP) install --no-deps -e .
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check drpo_openrlhf tests scripts
+	$(VENV)/bin/ruff format --check drpo_openrlhf tests scripts
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format drpo_openrlhf tests scripts
+	$(VENV)/bin/ruff check --fix drpo_openrlhf tests scripts
+
+test: lint
+	$(PY) -m pytest
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

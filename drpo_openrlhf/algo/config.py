@@ -1,0 +1,75 @@
+"""DRPO hyper-parameters, with defaults that reproduce the authors' released runs."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from drpo_openrlhf.algo.length_reward import LENGTH_REWARDS
+
+PENALTY_FORMS = ("authors", "paper")
+KL_ESTIMATES = ("minibatch", "microstep")
+
+
+@dataclass(frozen=True)
+class DRPOConfig:
+    """Everything the DRPO loss needs besides the data.
+
+    - ``lam``: length-reward temperature lambda (``math.inf`` = DisCO). Released runs: 0.1.
+    - ``tau``: temperature of the negatives' log-sum-exp. 10.
+    - ``delta``, ``beta0``: trust-region radius and penalty constant. 1e-4 and 1e3.
+    - ``penalty_form``: ``"authors"`` applies ``beta0 [KL - delta]_+ grad KL`` as the released
+      code does (the penalty ``(beta0/2) [KL - delta]_+^2``); ``"paper"`` applies the
+      paper's ``beta0 [KL - delta]_+^2``, twice that gradient.
+    - ``kl_estimate``: ``"minibatch"`` takes the token-mean KL over the whole mini-batch, as
+      Algorithm 1 writes it, so the update does not depend on micro-batching or sharding;
+      ``"microstep"`` averages one penalty per (global) micro-step, as the released code does.
+    - ``length_reward``, ``max_len``: the shape of ``r_l`` and its ``C``; ``None`` means the
+      generation budget (``--rollout.max_new_tokens``), the authors' choice.
+    - ``keep_all_wrong``, ``all_correct_length_signal``, ``lambda_by_pass_rate``: options of
+      ``drpo_objective``, off in the released runs.
+    """
+
+    lam: float = 0.1
+    tau: float = 10.0
+    delta: float = 1e-4
+    beta0: float = 1e3
+    penalty_form: str = "authors"
+    kl_estimate: str = "minibatch"
+    length_reward: str = "linear"
+    max_len: int | None = None
+    keep_all_wrong: bool = False
+    all_correct_length_signal: bool = False
+    lambda_by_pass_rate: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.lam > 0:
+            raise ValueError(f"lam (lambda) must be > 0 or inf, got {self.lam}")
+        if not (self.tau > 0 and math.isfinite(self.tau)):
+            raise ValueError(f"tau must be a positive finite number, got {self.tau}")
+        if not self.delta >= 0:
+            raise ValueError(f"delta must be >= 0, got {self.delta}")
+        if not self.beta0 >= 0:
+            raise ValueError(f"beta0 must be >= 0, got {self.beta0}")
+        if self.penalty_form not in PENALTY_FORMS:
+            raise ValueError(f"penalty_form must be one of {PENALTY_FORMS}")
+        if self.kl_estimate not in KL_ESTIMATES:
+            raise ValueError(f"kl_estimate must be one of {KL_ESTIMATES}")
+        if self.length_reward not in LENGTH_REWARDS:
+            raise ValueError(f"length_reward must be one of {LENGTH_REWARDS}")
+        if self.max_len is not None and self.max_len <= 0:
+            raise ValueError(f"max_len (C) must be positive, got {self.max_len}")
+        if self.lambda_by_pass_rate and math.isinf(self.lam):
+            raise ValueError("lambda_by_pass_rate needs a finite lam")
+
+    @property
+    def effective_beta0(self) -> float:
+        """The ``beta0`` to put in the paper's penalty so that its gradient is the chosen one."""
+        return self.beta0 if self.penalty_form == "paper" else self.beta0 / 2
+
+    def objective_options(self) -> dict[str, bool]:
+        return dict(
+            keep_all_wrong=self.keep_all_wrong,
+            all_correct_length_signal=self.all_correct_length_signal,
+            lambda_by_pass_rate=self.lambda_by_pass_rate,
+        )

@@ -1,0 +1,42 @@
+"""Segment operations over prompt groups.
+
+A batch holds the responses of several prompts in any order; ``group_ids`` names each
+response's prompt. Every per-prompt quantity of DRPO is a segment reduction over these ids,
+so the math never depends on how responses were laid out or shuffled.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def dense_group_index(group_ids: Tensor) -> tuple[Tensor, int]:
+    """Map arbitrary prompt ids to ``0..G-1`` (in sorted id order) and return ``G``."""
+    if group_ids.dim() != 1:
+        raise ValueError(f"group_ids must be 1-D, got shape {tuple(group_ids.shape)}")
+    unique, index = torch.unique(group_ids, return_inverse=True)
+    return index, unique.numel()
+
+
+def segment_sum(values: Tensor, index: Tensor, num_groups: int) -> Tensor:
+    """Differentiable per-group sum."""
+    return values.new_zeros(num_groups).index_add(0, index, values)
+
+
+def segment_logsumexp(values: Tensor, index: Tensor, num_groups: int, mask: Tensor) -> Tensor:
+    """Per-group ``log sum exp`` over the entries where ``mask`` is true.
+
+    Stable for large magnitudes (shifted by the group max) and NaN-free in the backward pass,
+    including for groups with no entry, whose value is ``-inf``.
+    """
+    neg_inf = values.new_full((), float("-inf"))
+    masked = torch.where(mask, values, neg_inf)
+    group_max = values.new_full((num_groups,), float("-inf"))
+    group_max = group_max.scatter_reduce(0, index, masked.detach(), "amax", include_self=True)
+    nonempty = torch.isfinite(group_max)
+    shift = torch.where(nonempty, group_max, torch.zeros_like(group_max))
+    exp = torch.where(mask, torch.exp(torch.where(mask, values - shift[index], 0.0)), 0.0)
+    total = segment_sum(exp, index, num_groups)
+    safe_log = torch.log(torch.where(nonempty, total, torch.ones_like(total)))
+    return torch.where(nonempty, safe_log + shift, neg_inf)

@@ -1,0 +1,155 @@
+"""The DRPO loss of one mini-batch, and its exact split over micro-batches and ranks.
+
+The mini-batch objective (Algorithm 1) depends on each response only through a few scalars:
+its score ``s``, its summed KL and its token count (correctness and prompt id are data).
+``minibatch_loss`` computes the true loss from those scalars in one piece. Because the loss
+reaches the model parameters only through ``s_i`` and ``kl_i``, the chain rule gives
+
+    grad L = sum_i dL/ds_i * grad s_i + sum_i dL/dkl_i * grad kl_i,
+
+so once the coefficients ``dL/ds_i`` and ``dL/dkl_i`` are known (from the scalars of the
+whole mini-batch, gathered across ranks), each micro-batch can back-propagate the linear
+``surrogate_loss`` of its own responses and the accumulated gradient equals ``grad L``
+exactly, whatever the micro-batching, packing or data-parallel layout.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+
+import torch
+from torch import Tensor
+
+from drpo_openrlhf.algo.config import DRPOConfig
+from drpo_openrlhf.algo.groups import dense_group_index, segment_sum
+from drpo_openrlhf.algo.length_reward import length_reward
+from drpo_openrlhf.algo.objective import drpo_objective
+from drpo_openrlhf.algo.scores import kl_sums, sequence_scores
+from drpo_openrlhf.algo.trust_region import kl_penalty
+
+
+@dataclass(frozen=True)
+class ResponseScalars:
+    """Per-response scalars, each a 1-D tensor over the responses of a (mini-)batch.
+
+    ``num_tokens`` is the response length ``|o|`` (EOS included, as in the released code);
+    it is both the length-reward input and the KL denominator. ``microstep`` is the global
+    micro-step a response is trained in (only used by ``kl_estimate="microstep"``).
+    """
+
+    score: Tensor
+    kl_sum: Tensor
+    num_tokens: Tensor
+    correct: Tensor
+    group_id: Tensor
+    microstep: Tensor
+
+    def __post_init__(self) -> None:
+        shapes = {f.name: tuple(getattr(self, f.name).shape) for f in fields(self)}
+        if len(set(shapes.values())) != 1 or len(next(iter(shapes.values()))) != 1:
+            raise ValueError(f"ResponseScalars fields must be 1-D of one length, got {shapes}")
+
+    @staticmethod
+    def concat(parts: list[ResponseScalars]) -> ResponseScalars:
+        return ResponseScalars(
+            **{f.name: torch.cat([getattr(p, f.name) for p in parts]) for f in fields(parts[0])}
+        )
+
+
+def response_scalars(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    mask: Tensor,
+    correct: Tensor,
+    group_ids: Tensor,
+    microstep: int = 0,
+) -> ResponseScalars:
+    """Scalars of a micro-batch of responses from ``(B, T)`` token log-probs and mask."""
+    mask = mask.to(log_probs.dtype)
+    return ResponseScalars(
+        score=sequence_scores(log_probs, mask),
+        kl_sum=kl_sums(log_probs, old_log_probs, mask),
+        num_tokens=mask.sum(dim=-1),
+        correct=correct.bool(),
+        group_id=group_ids.long(),
+        microstep=torch.full_like(group_ids, microstep, dtype=torch.long),
+    )
+
+
+def _kl_penalty_term(r: ResponseScalars, config: DRPOConfig) -> tuple[Tensor, Tensor, Tensor]:
+    """Penalty, KL estimate and hinge-active fraction, per ``config.kl_estimate``."""
+    beta0 = config.effective_beta0
+    if config.kl_estimate == "minibatch":
+        kl = r.kl_sum.sum() / r.num_tokens.sum()
+        return kl_penalty(kl, config.delta, beta0), kl, (kl > config.delta).to(kl.dtype)
+    index, num_steps = dense_group_index(r.microstep)
+    per_step = segment_sum(r.kl_sum, index, num_steps) / segment_sum(
+        r.num_tokens.to(r.kl_sum.dtype), index, num_steps
+    )
+    penalty = kl_penalty(per_step, config.delta, beta0).mean()
+    return penalty, per_step.mean(), (per_step > config.delta).to(per_step.dtype).mean()
+
+
+def _mean_or_nan(values: Tensor, mask: Tensor) -> Tensor:
+    return values[mask].mean() if mask.any() else values.new_full((), math.nan)
+
+
+def minibatch_loss(
+    r: ResponseScalars, config: DRPOConfig, max_len: float
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """True mini-batch loss ``-(1/Q) sum_q J_q + penalty(KL)`` and its metrics.
+
+    ``max_len`` is the length-reward ``C`` when ``config.max_len`` is unset.
+    """
+    c = config.max_len if config.max_len is not None else max_len
+    lengths = r.num_tokens.to(r.score.dtype)
+    rewards = length_reward(lengths, c, config.length_reward)
+    terms = drpo_objective(
+        r.score,
+        r.correct,
+        r.group_id,
+        rewards,
+        config.lam,
+        config.tau,
+        **config.objective_options(),
+    )
+    penalty, kl, hinge = _kl_penalty_term(r, config)
+    detached = lengths.detach()
+    metrics = {
+        "objective": -terms.loss.detach(),
+        "positive_term": terms.positive_term,
+        "negative_term": terms.negative_term,
+        "valid_prompt_fraction": terms.valid_fraction,
+        "effective_positives": terms.effective_positives,
+        "kl": kl.detach(),
+        "kl_penalty": penalty.detach(),
+        "hinge_active": hinge.detach(),
+        "response_length": detached.mean(),
+        "response_length_correct": _mean_or_nan(detached, r.correct),
+        "response_length_incorrect": _mean_or_nan(detached, ~r.correct),
+    }
+    return terms.loss + penalty, metrics
+
+
+def loss_coefficients(
+    r: ResponseScalars, config: DRPOConfig, max_len: float
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """``dL/ds_i`` and ``dL/dkl_i`` of the whole mini-batch (float64), plus its metrics.
+
+    Computed by autograd through ``minibatch_loss`` itself, so the split gradient can never
+    drift from the one-piece objective.
+    """
+    score = r.score.detach().double().requires_grad_(True)
+    kl_sum = r.kl_sum.detach().double().requires_grad_(True)
+    leaf = replace(r, score=score, kl_sum=kl_sum, num_tokens=r.num_tokens.double())
+    loss, metrics = minibatch_loss(leaf, config, max_len)
+    score_coef, kl_coef = torch.autograd.grad(loss, [score, kl_sum])
+    metrics["loss"] = loss.detach()
+    return score_coef, kl_coef, metrics
+
+
+def surrogate_loss(score: Tensor, kl_sum: Tensor, score_coef: Tensor, kl_coef: Tensor) -> Tensor:
+    """Linear stand-in whose gradient is this micro-batch's share of ``grad L``."""
+    dtype = score.dtype
+    return (score_coef.to(dtype) * score).sum() + (kl_coef.to(dtype) * kl_sum).sum()

@@ -1,0 +1,106 @@
+"""The DRPO objective over a batch of prompt groups (paper Eq. 8, Algorithm 1's ``G1``).
+
+Per prompt ``q`` with correct set ``S+`` and incorrect set ``S-``::
+
+    J_q = sum_{o in S+} w_hat(o) s(o)  -  tau * log mean_{o' in S-} exp(s(o') / tau)
+
+and the loss to minimise is ``-(1/Q) sum_q J_q`` over *all* ``Q`` prompts of the batch.
+Prompts without both kinds of responses contribute 0 but still count in ``Q``, as in the
+authors' released code. The value computed here is the true objective, not a surrogate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from drpo_openrlhf.algo.groups import dense_group_index, segment_logsumexp, segment_sum
+from drpo_openrlhf.algo.weights import pass_rate_lambda, positive_log_weights
+
+
+@dataclass(frozen=True)
+class DRPOTerms:
+    """The batch loss and what to log about it (diagnostics are detached)."""
+
+    loss: Tensor
+    positive_term: Tensor
+    negative_term: Tensor
+    valid_fraction: Tensor
+    effective_positives: Tensor
+
+
+def drpo_objective(
+    scores: Tensor,
+    correct: Tensor,
+    group_ids: Tensor,
+    length_rewards: Tensor,
+    lam: float,
+    tau: float,
+    *,
+    keep_all_wrong: bool = False,
+    all_correct_length_signal: bool = False,
+    lambda_by_pass_rate: bool = False,
+) -> DRPOTerms:
+    """The DRPO loss of a batch and its diagnostics.
+
+    Options (all off by default, i.e. the authors' behaviour):
+
+    - ``keep_all_wrong``: prompts with only incorrect responses keep their negative term.
+    - ``all_correct_length_signal``: prompts with only correct responses contribute
+      ``sum (w_hat - 1/|S+|) s``: a zero-mean signal that teaches concision on easy prompts
+      without moving the overall likelihood of correct answers.
+    - ``lambda_by_pass_rate``: ``lambda_q = lambda / pass_rate(q)`` (see ``pass_rate_lambda``).
+    """
+    if not tau > 0:
+        raise ValueError(f"tau must be positive, got {tau}")
+    correct = correct.bool()
+    if not (scores.shape == correct.shape == group_ids.shape == length_rewards.shape):
+        raise ValueError("scores, correct, group_ids and length_rewards must have one shape (B,)")
+    index, num_groups = dense_group_index(group_ids)
+    incorrect = ~correct
+    n_pos = segment_sum(correct.to(scores.dtype), index, num_groups)
+    n_neg = segment_sum(incorrect.to(scores.dtype), index, num_groups)
+    has_pos, has_neg = n_pos > 0, n_neg > 0
+
+    group_lam = pass_rate_lambda(lam, correct, group_ids) if lambda_by_pass_rate else lam
+    log_w = positive_log_weights(length_rewards.to(scores.dtype), correct, group_ids, group_lam)
+    w = log_w.exp()
+    positive = segment_sum(w * scores, index, num_groups)
+    lse = segment_logsumexp(scores / tau, index, num_groups, incorrect)
+    log_n_neg = torch.log(n_neg.clamp(min=1.0))
+    negative = tau * torch.where(has_neg, lse - log_n_neg, 0.0)
+
+    valid = has_pos & has_neg
+    per_group = torch.where(valid, positive - negative, 0.0)
+    if keep_all_wrong:
+        per_group = torch.where(~has_pos & has_neg, -negative, per_group)
+    if all_correct_length_signal:
+        centred = (w - torch.where(correct, 1.0 / n_pos.clamp(min=1.0)[index], 0.0)) * scores
+        easy = segment_sum(centred, index, num_groups)
+        per_group = torch.where(has_pos & ~has_neg, easy, per_group)
+
+    entropy = -segment_sum(torch.where(correct, w * log_w, 0.0), index, num_groups)
+    with torch.no_grad():
+        effective = entropy.exp()[has_pos].mean() if has_pos.any() else scores.new_zeros(())
+        terms = dict(
+            positive_term=torch.where(valid, positive, 0.0).sum() / num_groups,
+            negative_term=torch.where(valid, negative, 0.0).sum() / num_groups,
+            valid_fraction=valid.to(scores.dtype).mean(),
+            effective_positives=effective,
+        )
+    return DRPOTerms(loss=-per_group.sum() / num_groups, **terms)
+
+
+def drpo_loss(
+    scores: Tensor,
+    correct: Tensor,
+    group_ids: Tensor,
+    length_rewards: Tensor,
+    lam: float = 0.1,
+    tau: float = 10.0,
+    **options: bool,
+) -> Tensor:
+    """Scalar loss ``-(1/Q) sum_q J_q``; ``lam=math.inf`` is DisCO. See ``drpo_objective``."""
+    return drpo_objective(scores, correct, group_ids, length_rewards, lam, tau, **options).loss

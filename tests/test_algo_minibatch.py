@@ -1,0 +1,185 @@
+"""The split gradient (coefficients + per-micro-batch surrogate) equals the one-piece one."""
+
+import math
+
+import pytest
+import torch
+
+from drpo_openrlhf.algo import (
+    DRPOConfig,
+    ResponseScalars,
+    loss_coefficients,
+    minibatch_loss,
+    response_scalars,
+    surrogate_loss,
+)
+
+torch.set_default_dtype(torch.float64)
+VOCAB, DIM, MAX_T = 11, 5, 9
+
+
+class ToyPolicy(torch.nn.Module):
+    """Token log-probs from a linear layer over fixed per-position features."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.weight = torch.nn.Parameter(torch.randn(DIM, VOCAB, generator=gen))
+
+    def forward(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        log_probs = torch.log_softmax(features @ self.weight, dim=-1)
+        return log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def make_rollout(seed: int, num_prompts: int = 5, n: int = 4):
+    gen = torch.Generator().manual_seed(seed)
+    b = num_prompts * n
+    lengths = torch.randint(1, MAX_T + 1, (b,), generator=gen)
+    mask = (torch.arange(MAX_T) < lengths[:, None]).double()
+    features = torch.randn(b, MAX_T, DIM, generator=gen)
+    tokens = torch.randint(0, VOCAB, (b, MAX_T), generator=gen)
+    correct = torch.rand(b, generator=gen) < 0.5
+    group_ids = torch.arange(num_prompts).repeat_interleave(n)
+    return features, tokens, mask, correct, group_ids
+
+
+def split_gradient(policy, old_log_probs, rollout, micro_batches, config):
+    features, tokens, mask, correct, group_ids = rollout
+
+    def scalars(idx, step):
+        lp = policy(features[idx], tokens[idx])
+        return response_scalars(
+            lp, old_log_probs[idx], mask[idx], correct[idx], group_ids[idx], step
+        )
+
+    with torch.no_grad():  # pass 1: scalars only (what ranks would all-gather)
+        gathered = ResponseScalars.concat([scalars(idx, k) for k, idx in enumerate(micro_batches)])
+    score_coef, kl_coef, metrics = loss_coefficients(gathered, config, max_len=MAX_T)
+    policy.zero_grad()
+    start = 0
+    for k, idx in enumerate(micro_batches):  # pass 2: one backward per micro-batch
+        r = scalars(idx, k)
+        end = start + len(idx)
+        surrogate_loss(r.score, r.kl_sum, score_coef[start:end], kl_coef[start:end]).backward()
+        start = end
+    return policy.weight.grad.clone(), metrics
+
+
+def one_piece_gradient(policy, old_log_probs, rollout, micro_batches, config):
+    features, tokens, mask, correct, group_ids = rollout
+    parts = [
+        response_scalars(
+            policy(features[idx], tokens[idx]),
+            old_log_probs[idx],
+            mask[idx],
+            correct[idx],
+            group_ids[idx],
+            k,
+        )
+        for k, idx in enumerate(micro_batches)
+    ]
+    loss, _ = minibatch_loss(ResponseScalars.concat(parts), config, max_len=MAX_T)
+    policy.zero_grad()
+    loss.backward()
+    return policy.weight.grad.clone(), loss.detach()
+
+
+def random_micro_batches(seed: int, b: int, size: int):
+    perm = torch.randperm(b, generator=torch.Generator().manual_seed(seed))
+    return list(torch.split(perm, size))
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("micro_size", [1, 3, 4, 7, 20])
+@pytest.mark.parametrize("kl_estimate", ["minibatch", "microstep"])
+@pytest.mark.parametrize("lam", [0.1, math.inf])
+def test_split_gradient_is_exact(seed, micro_size, kl_estimate, lam):
+    rollout = make_rollout(seed)
+    old_policy = ToyPolicy(seed)
+    policy = ToyPolicy(seed)
+    with torch.no_grad():  # move away from pi_old so that the KL hinge is active
+        policy.weight.add_(
+            0.3 * torch.randn(DIM, VOCAB, generator=torch.Generator().manual_seed(99))
+        )
+        old_log_probs = old_policy(rollout[0], rollout[1])
+    config = DRPOConfig(lam=lam, kl_estimate=kl_estimate)
+    micro_batches = random_micro_batches(seed, rollout[0].shape[0], micro_size)
+    split, metrics = split_gradient(policy, old_log_probs, rollout, micro_batches, config)
+    whole, loss = one_piece_gradient(policy, old_log_probs, rollout, micro_batches, config)
+    assert metrics["hinge_active"] > 0
+    assert metrics["loss"].item() == pytest.approx(loss.item(), rel=1e-12, abs=1e-12)
+    assert torch.allclose(split, whole, rtol=1e-10, atol=1e-12)
+
+
+def test_minibatch_kl_estimate_does_not_depend_on_micro_batching():
+    rollout = make_rollout(1)
+    policy, old = ToyPolicy(1), ToyPolicy(2)
+    with torch.no_grad():
+        old_log_probs = old(rollout[0], rollout[1])
+    config = DRPOConfig()
+    grads = [
+        split_gradient(policy, old_log_probs, rollout, random_micro_batches(s, 20, m), config)[0]
+        for s, m in [(0, 1), (1, 5), (2, 20)]
+    ]
+    assert all(torch.allclose(g, grads[0], rtol=1e-10, atol=1e-12) for g in grads)
+
+
+def test_penalty_forms_differ_by_a_factor_two():
+    rollout = make_rollout(3)
+    policy = ToyPolicy(3)
+    with torch.no_grad():  # pi_old more likely on every token: KL estimate 0.05 > delta
+        old_log_probs = policy(rollout[0], rollout[1]) + 0.05
+    mbs = random_micro_batches(0, 20, 20)
+    kl_only = dict(lam=math.inf)
+    grads = {}
+    for form in ("authors", "paper"):
+        with_penalty = split_gradient(
+            policy, old_log_probs, rollout, mbs, DRPOConfig(penalty_form=form, **kl_only)
+        )[0]
+        without = split_gradient(
+            policy, old_log_probs, rollout, mbs, DRPOConfig(beta0=0.0, **kl_only)
+        )[0]
+        grads[form] = with_penalty - without
+    assert grads["authors"].abs().max() > 0
+    assert torch.allclose(grads["paper"], 2 * grads["authors"], rtol=1e-9, atol=1e-12)
+
+
+def test_metrics_report_lengths_by_correctness():
+    r = ResponseScalars(
+        score=torch.tensor([-0.1, -0.2, -0.3]),
+        kl_sum=torch.zeros(3),
+        num_tokens=torch.tensor([10.0, 20.0, 60.0]),
+        correct=torch.tensor([True, True, False]),
+        group_id=torch.zeros(3, dtype=torch.long),
+        microstep=torch.zeros(3, dtype=torch.long),
+    )
+    _, metrics = minibatch_loss(r, DRPOConfig(), max_len=100)
+    assert metrics["response_length_correct"].item() == 15
+    assert metrics["response_length_incorrect"].item() == 60
+    assert metrics["response_length"].item() == pytest.approx(30)
+    assert metrics["valid_prompt_fraction"].item() == 1
+
+
+def test_response_scalars_reject_mismatched_fields():
+    with pytest.raises(ValueError, match="1-D of one length"):
+        ResponseScalars(*(torch.zeros(2),) * 5, torch.zeros(3))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(lam=0.0),
+        dict(tau=0.0),
+        dict(tau=math.inf),
+        dict(delta=-1.0),
+        dict(beta0=-1.0),
+        dict(penalty_form="half"),
+        dict(kl_estimate="token"),
+        dict(length_reward="exp"),
+        dict(max_len=0),
+        dict(lam=math.inf, lambda_by_pass_rate=True),
+    ],
+)
+def test_config_rejects_invalid_values(kwargs):
+    with pytest.raises(ValueError):
+        DRPOConfig(**kwargs)

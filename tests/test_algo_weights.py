@@ -1,0 +1,83 @@
+import math
+
+import pytest
+import torch
+
+from drpo_openrlhf.algo import length_reward, positive_log_weights, positive_weights
+
+torch.set_default_dtype(torch.float64)
+
+
+def kl_regularised_reward(p: torch.Tensor, base: torch.Tensor, r: torch.Tensor, lam: float):
+    """``E_P r - lambda KL(P || base)`` over a discrete outcome set."""
+    support = p > 0
+    kl = (p[support] * (p[support].log() - base[support].log())).sum()
+    return (p * r).sum() - lam * kl
+
+
+@pytest.mark.parametrize("lam", [0.05, 0.2, 1.0, 5.0])
+@pytest.mark.parametrize("seed", range(4))
+def test_closed_form_p_star_maximises_regularised_length_reward(lam, seed):
+    gen = torch.Generator().manual_seed(seed)
+    k = 7
+    base = torch.rand(k, generator=gen) + 0.05
+    base = base / base.sum()  # pi_old^+ over k correct outputs
+    r = length_reward(torch.randint(1, 1000, (k,), generator=gen).double(), 1000)
+    p_star = base * torch.exp(r / lam)
+    p_star = p_star / p_star.sum()  # paper Eq. (6)
+    best = kl_regularised_reward(p_star, base, r, lam)
+    for _ in range(200):
+        noise = torch.randn(k, generator=gen) * 0.3
+        perturbed = p_star * noise.exp()
+        perturbed = perturbed / perturbed.sum()
+        assert kl_regularised_reward(perturbed, base, r, lam) <= best + 1e-12
+
+
+def test_empirical_weights_are_p_star_of_the_sampled_correct_responses():
+    # with pi+ the empirical distribution of the sampled correct responses, P* is w_hat
+    r = torch.tensor([0.9, 0.2, 0.5, 0.7])
+    correct = torch.tensor([True, True, False, True])
+    w = positive_weights(r, correct, torch.zeros(4, dtype=torch.long), 0.3)
+    pos = r[correct]
+    expected = torch.exp(pos / 0.3) / torch.exp(pos / 0.3).sum()
+    assert torch.allclose(w[correct], expected, atol=1e-15)
+    assert w[2] == 0
+
+
+def test_weights_normalise_within_each_prompt_only():
+    r = torch.tensor([0.9, 0.2, 0.5, 0.7, 0.1, 0.3])
+    correct = torch.tensor([True, True, False, True, False, True])
+    group_ids = torch.tensor([5, 5, 5, 9, 9, 9])
+    w = positive_weights(r, correct, group_ids, 0.1)
+    assert w[:3].sum().item() == pytest.approx(1.0)
+    assert w[3:].sum().item() == pytest.approx(1.0)
+    assert w[0] > w[1] and w[3] > w[5]
+
+
+def test_lambda_inf_gives_equal_weights():
+    r = torch.tensor([0.9, 0.2, 0.5, 0.7])
+    correct = torch.tensor([True, True, True, False])
+    w = positive_weights(r, correct, torch.zeros(4, dtype=torch.long), math.inf)
+    assert torch.allclose(w, torch.tensor([1 / 3, 1 / 3, 1 / 3, 0.0]))
+
+
+def test_tiny_lambda_is_a_stable_argmax_in_float32():
+    r = torch.tensor([0.999, 0.0, 0.998], dtype=torch.float32)
+    correct = torch.tensor([True, True, True])
+    log_w = positive_log_weights(r, correct, torch.zeros(3, dtype=torch.long), 1e-3)
+    w = log_w.exp()
+    assert torch.isfinite(log_w).all()
+    assert w.sum().item() == pytest.approx(1.0, abs=1e-6)
+    assert w[0].item() == pytest.approx(1 / (1 + math.exp(-1.0)), abs=1e-5)
+
+
+def test_groups_without_correct_responses_get_no_weight():
+    r = torch.tensor([0.9, 0.2])
+    w = positive_weights(r, torch.tensor([False, False]), torch.tensor([0, 0]), 0.1)
+    assert torch.equal(w, torch.zeros(2))
+
+
+@pytest.mark.parametrize("lam", [0.0, -1.0, math.nan])
+def test_lambda_must_be_positive(lam):
+    with pytest.raises(ValueError, match="lambda must be positive"):
+        positive_weights(torch.zeros(2), torch.tensor([True, True]), torch.zeros(2), lam)
