@@ -1,0 +1,112 @@
+"""Which responses go into which optimizer step and micro-batch, so that groups stay whole.
+
+DRPO's objective couples the responses of a prompt, so every optimizer step must see whole
+prompt groups. OpenRLHF hands each data-parallel rank a contiguous slice of the rollout, in
+which a prompt's responses are contiguous; the plan below keeps every group inside one
+optimizer step and splits each step into the micro-batches DeepSpeed accumulates over.
+Groups may still be cut across micro-batches: the exact split of the gradient
+(``drpo_openrlhf.algo.minibatch``) makes that harmless. Nothing here imports OpenRLHF.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+class LayoutError(ValueError):
+    """A batch layout under which DRPO's gradient could not be computed exactly."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The batch arithmetic of one run, per data-parallel rank."""
+
+    world_size: int
+    n_samples_per_prompt: int
+    rollout_batch_size: int  # prompts per rollout step
+    train_batch_size: int  # responses per optimizer step, all ranks together
+    micro_batch_size: int  # responses per micro-batch on one rank
+    rollout_micro_batch_size: int = 1  # responses per experience batch OpenRLHF hands out
+
+    @property
+    def samples_per_step(self) -> int:
+        """Responses one rank trains on per optimizer step."""
+        return self.train_batch_size // self.world_size
+
+    @property
+    def micro_steps(self) -> int:
+        """Micro-batches (gradient-accumulation steps) per optimizer step on one rank."""
+        return self.samples_per_step // self.micro_batch_size
+
+    def check(self) -> None:
+        """Raise ``LayoutError`` naming the first flag combination that breaks groups."""
+        n, world = self.n_samples_per_prompt, self.world_size
+        rollout = self.rollout_batch_size * n
+        if n < 2:
+            raise LayoutError(
+                "DRPO compares the responses of a prompt: set --rollout.n_samples_per_prompt >= 2"
+            )
+        if self.rollout_batch_size % world:
+            raise LayoutError(
+                f"--rollout.batch_size ({self.rollout_batch_size} prompts) must be a multiple of "
+                f"the {world} actor ranks, so that each rank receives whole prompt groups"
+            )
+        if rollout % (self.rollout_micro_batch_size * world):
+            raise LayoutError(
+                f"--rollout.micro_batch_size ({self.rollout_micro_batch_size}) x {world} actor "
+                f"ranks must divide the rollout's {rollout} responses: OpenRLHF hands each rank "
+                "a contiguous run of these experience batches, which must hold whole groups"
+            )
+        if self.train_batch_size % (n * world):
+            raise LayoutError(
+                f"--train.batch_size ({self.train_batch_size} responses) must be a multiple of "
+                f"n_samples_per_prompt x actor ranks = {n} x {world} = {n * world}, so that each "
+                "optimizer step holds whole prompt groups on every rank"
+            )
+        if rollout % self.train_batch_size:
+            raise LayoutError(
+                f"--train.batch_size ({self.train_batch_size}) must divide the rollout's "
+                f"{rollout} responses (--rollout.batch_size x n_samples_per_prompt); otherwise "
+                "the last prompts of each rollout would be dropped"
+            )
+        if self.samples_per_step % self.micro_batch_size:
+            raise LayoutError(
+                f"--train.micro_batch_size ({self.micro_batch_size}) must divide the "
+                f"{self.samples_per_step} responses each rank trains on per optimizer step "
+                "(--train.batch_size / actor ranks)"
+            )
+
+
+def plan_optimizer_steps(
+    group_ids: Sequence[int], n_samples_per_prompt: int, layout: Layout
+) -> list[list[list[int]]]:
+    """Plan one rank's replay buffer: ``steps[k][j]`` lists the items of micro-batch ``j`` of
+    optimizer step ``k``.
+
+    Items are ordered by prompt group (stable), so each step holds whole groups. Raises
+    ``LayoutError`` if a group is incomplete on this rank or the items do not fill a whole
+    number of steps: both would silently change the objective.
+    """
+    counts = Counter(group_ids)
+    broken = {g: c for g, c in counts.items() if c != n_samples_per_prompt}
+    if broken:
+        g, c = next(iter(broken.items()))
+        raise LayoutError(
+            f"prompt group {g} has {c} responses on this rank instead of "
+            f"n_samples_per_prompt={n_samples_per_prompt}: groups were split across ranks or "
+            "filtered (dynamic batching and partial groups are not supported by DRPO)"
+        )
+    per_step = layout.samples_per_step
+    if len(group_ids) % per_step:
+        raise LayoutError(
+            f"this rank holds {len(group_ids)} responses, not a multiple of the {per_step} "
+            "it trains on per optimizer step"
+        )
+    order = sorted(range(len(group_ids)), key=lambda i: (group_ids[i], i))
+    micro = layout.micro_batch_size
+    return [
+        [order[s + m : s + m + micro] for m in range(0, per_step, micro)]
+        for s in range(0, len(order), per_step)
+    ]

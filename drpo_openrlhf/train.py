@@ -1,0 +1,211 @@
+"""``python -m drpo_openrlhf.train``: OpenRLHF 0.11.2's PPO entry point with DRPO's loss.
+
+Accepts every OpenRLHF flag unchanged plus the ``--drpo.*`` group. Parsing, defaults and
+validation happen here, before anything GPU-side is imported, so ``--help`` and bad flags
+are answered on any machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+from drpo_openrlhf.algo import DRPOConfig
+from drpo_openrlhf.algo.config import KL_ESTIMATES, PENALTY_FORMS
+from drpo_openrlhf.algo.length_reward import LENGTH_REWARDS
+from drpo_openrlhf.integration.layout import Layout
+from drpo_openrlhf.openrlhf_cli import openrlhf_parser
+
+MATH_REWARD = Path(__file__).resolve().parent / "rewards" / "math_reward.py"
+
+# OpenRLHF flags whose PPO defaults do not fit DRPO; applied unless the user passes them.
+DRPO_DEFAULTS: dict[str, list[str]] = {
+    # no reference model: DRPO's trust region is around pi_old, not a reference policy
+    "--algo.kl.init_coef": ["0"],
+    # the estimator only feeds PPO's advantages, which DRPO ignores; gae would need a critic
+    "--algo.advantage.estimator": ["group_norm"],
+    # 0/1 correctness from math-verify, with a deadline per response
+    "--reward.remote_url": [str(MATH_REWARD)],
+    # the authors' optimiser: AdamW (0.9, 0.999), weight decay 0.01, constant LR, no warmup
+    "--actor.adam.betas": ["0.9", "0.999"],
+    "--actor.adam.weight_decay": ["0.01"],
+    "--actor.lr_scheduler": ["constant"],
+    "--actor.lr_warmup_ratio": ["0"],
+    # the authors' rollout temperature (scores use logits / temperature, as in OpenRLHF)
+    "--rollout.temperature": ["0.6"],
+}
+
+# OpenRLHF flags that have no meaning for DRPO or break its groups: (flag, what to do instead)
+REJECTED_FLAGS = {
+    "--critic.model_name_or_path": "DRPO has no critic; drop it",
+    "--actor.eps_clip": "DRPO has no ratio clipping; its trust region is --drpo.delta/--drpo.beta0",
+    "--actor.eps_clip_low_high": "DRPO has no ratio clipping; use --drpo.delta/--drpo.beta0",
+    "--actor.dual_clip": "DRPO has no ratio clipping; use --drpo.delta/--drpo.beta0",
+    "--actor.policy_loss_type": "DRPO replaces the PPO/GSPO policy loss; drop it",
+    "--actor.loss_agg_mode": "DRPO's loss is a mean over prompts of sequence scores; drop it",
+    "--actor.entropy_coef": "DRPO has no entropy bonus (as in the paper); drop it",
+    "--algo.kl.use_loss": "DRPO's KL term is its trust region (--drpo.delta/--drpo.beta0)",
+    "--train.max_epochs": "DRPO takes one pass over each rollout (Algorithm 1); drop it",
+    "--train.dynamic_batch_enable": (
+        "dynamic batching scatters prompt groups over ranks and is not supported yet; use "
+        "fixed --train.micro_batch_size (with --ds.packing_samples to avoid padding)"
+    ),
+    "--train.async_enable": "asynchronous training uses another trainer; drop it for DRPO",
+    "--ds.ring_attn_size": "ring attention is not supported by the DRPO actor yet",
+    "--ds.tensor_parallel_size": "DeepSpeed tensor parallelism is not supported by DRPO yet",
+    "--algo.advantage.is_correction_level": "importance-sampling correction is part of PPO's loss",
+}
+
+
+def _lambda(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"lambda must be > 0 or inf, got {text}")
+    return value
+
+
+def add_drpo_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``--drpo.*`` flags, one per ``DRPOConfig`` field, with its defaults."""
+    d = DRPOConfig()
+    g = parser.add_argument_group("DRPO (drpo_openrlhf)")
+    g.add_argument(
+        "--drpo.lam",
+        type=_lambda,
+        default=d.lam,
+        help="length-reward temperature lambda; 'inf' = DisCO (default %(default)s)",
+    )
+    g.add_argument(
+        "--drpo.tau",
+        type=float,
+        default=d.tau,
+        help="temperature of the negatives' log-sum-exp (default %(default)s)",
+    )
+    g.add_argument(
+        "--drpo.delta",
+        type=float,
+        default=d.delta,
+        help="trust-region radius on the token-mean KL(pi_old||pi) (default %(default)s)",
+    )
+    g.add_argument(
+        "--drpo.beta0",
+        type=float,
+        default=d.beta0,
+        help="squared-hinge penalty constant (default %(default)s)",
+    )
+    g.add_argument(
+        "--drpo.penalty_form",
+        choices=PENALTY_FORMS,
+        default=d.penalty_form,
+        help="'authors': gradient beta0[KL-delta]_+ (released code); 'paper': twice that",
+    )
+    g.add_argument(
+        "--drpo.kl_estimate",
+        choices=KL_ESTIMATES,
+        default=d.kl_estimate,
+        help="KL over the whole mini-batch (exact, Algorithm 1) or per micro-step",
+    )
+    g.add_argument(
+        "--drpo.length_reward",
+        choices=LENGTH_REWARDS,
+        default=d.length_reward,
+        help="shape of r_l (default %(default)s)",
+    )
+    g.add_argument(
+        "--drpo.max_len",
+        type=int,
+        default=None,
+        help="C of the length reward (default: --rollout.max_new_tokens)",
+    )
+    g.add_argument(
+        "--drpo.keep_all_wrong",
+        action="store_true",
+        help="all-wrong prompts keep their negative term",
+    )
+    g.add_argument(
+        "--drpo.all_correct_length_signal",
+        action="store_true",
+        help="zero-mean length signal w_hat - 1/|S+| on all-correct prompts",
+    )
+    g.add_argument(
+        "--drpo.lambda_by_pass_rate",
+        action="store_true",
+        help="per-prompt lambda / pass_rate (gentler length pressure on hard prompts)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = openrlhf_parser()
+    parser.prog = "python -m drpo_openrlhf.train"
+    parser.description = __doc__.splitlines()[0]
+    add_drpo_arguments(parser)
+    return parser
+
+
+def openrlhf_args_of(argv: list[str]) -> list[str]:
+    """``argv`` without the ``--drpo.*`` flags and their values."""
+    drpo_only = argparse.ArgumentParser(add_help=False)
+    add_drpo_arguments(drpo_only)
+    return drpo_only.parse_known_args(argv)[1]
+
+
+def _given(argv: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def with_drpo_defaults(openrlhf_argv: list[str]) -> list[str]:
+    extra = [
+        x
+        for flag, values in DRPO_DEFAULTS.items()
+        if not _given(openrlhf_argv, flag)
+        for x in (flag, *values)
+    ]
+    return openrlhf_argv + extra
+
+
+def drpo_config(args: argparse.Namespace) -> DRPOConfig:
+    return DRPOConfig(**{f.name: getattr(args, f"drpo.{f.name}") for f in fields(DRPOConfig)})
+
+
+def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> DRPOConfig:
+    """Reject what DRPO cannot run exactly; returns the DRPO config. Raises ``ValueError``."""
+    for flag, advice in REJECTED_FLAGS.items():
+        dest = flag[2:]
+        if getattr(args, dest) != parser.get_default(dest):
+            raise ValueError(f"{flag} is not used by DRPO: {advice}")
+    if getattr(args, "algo.advantage.estimator") == "gae":
+        raise ValueError("--algo.advantage.estimator gae needs a critic; DRPO uses none")
+    Layout(
+        world_size=getattr(args, "actor.num_nodes") * getattr(args, "actor.num_gpus_per_node"),
+        n_samples_per_prompt=getattr(args, "rollout.n_samples_per_prompt"),
+        rollout_batch_size=getattr(args, "rollout.batch_size"),
+        train_batch_size=getattr(args, "train.batch_size"),
+        micro_batch_size=getattr(args, "train.micro_batch_size"),
+        rollout_micro_batch_size=getattr(args, "rollout.micro_batch_size"),
+    ).check()
+    return drpo_config(args)
+
+
+def parse(argv: list[str]) -> tuple[DRPOConfig, list[str]]:
+    """DRPO config and the OpenRLHF argv (DRPO defaults applied) of a command line.
+
+    Exits with a usage error for unknown, invalid or DRPO-incompatible flags."""
+    parser = build_parser()
+    args = parser.parse_args(with_drpo_defaults(argv))
+    try:
+        config = validate(args, parser)
+    except ValueError as error:  # LayoutError included
+        parser.error(str(error))
+    return config, with_drpo_defaults(openrlhf_args_of(argv))
+
+
+def main(argv: list[str] | None = None) -> None:
+    config, openrlhf_argv = parse(list(sys.argv[1:] if argv is None else argv))
+    from drpo_openrlhf.integration.launch import run_openrlhf
+
+    run_openrlhf(openrlhf_argv, config)
+
+
+if __name__ == "__main__":
+    main()

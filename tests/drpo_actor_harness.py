@@ -1,0 +1,278 @@
+"""Runs OpenRLHF's real actor update (DeepSpeed on gloo, CPU) with DRPO swapped in, and the
+single-process one-piece reference it must match. Used by the exactness tests."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from unittest import mock
+
+import torch
+from stand_ins import install_stand_ins
+
+N, PROMPTS, TRAIN_BATCH = 4, 8, 16  # responses per prompt, prompts per rollout, per step
+VOCAB, LR = 48, 0.05
+
+
+@dataclass(frozen=True)
+class Case:
+    zero_stage: int
+    micro_batch_size: int
+    packing: bool = False
+    kl_estimate: str = "minibatch"
+
+    @property
+    def name(self) -> str:
+        packed = "packed" if self.packing else "padded"
+        return f"zero{self.zero_stage}-micro{self.micro_batch_size}-{packed}-{self.kl_estimate}"
+
+
+def tiny_model():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+    return Qwen2ForCausalLM(config).float()
+
+
+def rollout(seed: int = 0) -> dict[str, torch.Tensor]:
+    """A rollout of PROMPTS x N responses, right-padded, in generation order."""
+    gen = torch.Generator().manual_seed(seed)
+    b = PROMPTS * N
+    prompt_len = torch.randint(2, 5, (PROMPTS,), generator=gen).repeat_interleave(N)
+    response_len = torch.randint(1, 9, (b,), generator=gen)
+    total = prompt_len + response_len
+    t = int(total.max())
+    sequences = torch.randint(1, VOCAB, (b, t), generator=gen)
+    prompt_tokens = torch.randint(1, VOCAB, (PROMPTS, t), generator=gen).repeat_interleave(N, 0)
+    positions = torch.arange(t)
+    is_prompt = positions < prompt_len[:, None]
+    sequences = torch.where(is_prompt, prompt_tokens, sequences)
+    attention_mask = (positions < total[:, None]).long()
+    sequences = sequences * attention_mask
+    action_mask = (~is_prompt & attention_mask.bool())[:, 1:]
+    correct = torch.rand(b, generator=gen) < 0.5
+    correct[0::N], correct[1::N] = True, False  # every prompt has both kinds
+    return dict(
+        sequences=sequences,
+        attention_mask=attention_mask,
+        action_mask=action_mask,
+        scores=correct.float(),
+        group=torch.arange(PROMPTS).repeat_interleave(N),
+    )
+
+
+def old_log_probs(data) -> torch.Tensor:
+    from openrlhf.models import Actor
+
+    actor = Actor(tiny_model(), temperature=0.6)
+    actor.packing_samples = False
+    with torch.no_grad():
+        return actor(data["sequences"], data["action_mask"], attention_mask=data["attention_mask"])
+
+
+def openrlhf_args(case: Case, world: int):
+    from openrlhf.utils.config import hierarchize
+
+    from drpo_openrlhf.openrlhf_cli import openrlhf_parser
+
+    flags = [
+        "--rollout.n_samples_per_prompt",
+        str(N),
+        "--rollout.batch_size",
+        str(PROMPTS),
+        "--rollout.temperature",
+        "0.6",
+        "--train.batch_size",
+        str(TRAIN_BATCH),
+        "--train.micro_batch_size",
+        str(case.micro_batch_size),
+        "--actor.num_gpus_per_node",
+        str(world),
+        "--ds.zero_stage",
+        str(case.zero_stage),
+        "--actor.adam.lr",
+        str(LR),
+        "--actor.adam.eps",
+        "1.0",
+        "--actor.adam.betas",
+        "0.9",
+        "0.999",
+        "--actor.lr_scheduler",
+        "constant",
+        "--actor.lr_warmup_ratio",
+        "0",
+        "--actor.max_norm",
+        "0",
+        "--rollout.max_new_tokens",
+        "8",
+        "--algo.kl.init_coef",
+        "0",
+    ]
+    if case.packing:
+        flags.append("--ds.packing_samples")
+    args = hierarchize(openrlhf_parser().parse_args(flags))
+    args.actor.eps_clip_low_high = (args.actor.eps_clip, args.actor.eps_clip)
+    return args
+
+
+def drpo_config(case: Case):
+    from drpo_openrlhf.algo import DRPOConfig
+
+    return DRPOConfig(kl_estimate=case.kl_estimate, max_len=8)
+
+
+def run_rank(rank: int, world: int, port: int, cases: list[Case], out_dir: str) -> None:
+    """One data-parallel rank: OpenRLHF strategy + actor + trainer, DRPO's ppo_train."""
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK="-1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        TORCHDYNAMO_DISABLE="1",
+        HF_HUB_OFFLINE="1",
+    )
+    install_stand_ins()
+    import deepspeed
+    from openrlhf.models import Actor
+    from openrlhf.trainer.ppo_utils.experience import Experience
+    from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
+    from openrlhf.utils import get_strategy
+    from openrlhf.utils.deepspeed import deepspeed as openrlhf_ds
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from drpo_openrlhf.integration.actor_trainer import GROUP_KEY, DRPOActorTrainer
+
+    data = rollout()
+    old = old_log_probs(data)
+    per_rank = PROMPTS * N // world
+    local = slice(rank * per_rank, (rank + 1) * per_rank)
+    for case in cases:
+        args = openrlhf_args(case, world)
+        strategy = get_strategy(args)
+        strategy.param_dtype = "fp32"
+        get_config = strategy.get_ds_train_config
+
+        def torch_adam_config(*a, _get=get_config, **k):  # avoid a 40 s FusedAdam JIT build
+            config = _get(*a, **k)
+            if "optimizer" in config:
+                config["optimizer"]["params"]["torch_adam"] = True
+                config["zero_allow_untested_optimizer"] = True
+            return config
+
+        strategy.get_ds_train_config = torch_adam_config
+        cpu_mesh = lambda _device, *a, **k: init_device_mesh("cpu", *a, **k)  # noqa: E731
+        with mock.patch.object(openrlhf_ds, "init_device_mesh", cpu_mesh):
+            strategy.setup_distributed()
+        actor = Actor(tiny_model(), temperature=0.6)
+        actor.packing_samples = case.packing
+        cfg = dict(
+            optim="adam",
+            muon=vars(args.actor.muon),
+            adam=vars(args.actor.adam),
+            lr_scheduler="constant",
+            lr_warmup_ratio=0.0,
+            min_lr_ratio=0.1,
+            max_norm=0.0,
+            scheduler_steps=10,
+        )
+        actor, optim, scheduler = strategy.prepare((actor, cfg))
+        with (
+            mock.patch("torch.cuda.current_device", lambda: 0),
+            mock.patch("torch.cuda.synchronize", lambda *a: None),
+        ):
+            trainer = ActorPPOTrainer(
+                strategy,
+                actor,
+                ema_model=None,
+                actor_optim=optim,
+                actor_scheduler=scheduler,
+                micro_train_batch_size=case.micro_batch_size,
+                tokenizer=None,
+                dataloader_pin_memory=False,
+            )
+            trainer.__class__ = DRPOActorTrainer
+            trainer.enable_drpo(drpo_config(case))
+            experience = Experience(
+                sequences=data["sequences"][local],
+                attention_mask=data["attention_mask"][local],
+                action_mask=data["action_mask"][local],
+                action_log_probs=old[local],
+                rewards=data["scores"][local],
+                scores=data["scores"][local],
+                response_length=data["action_mask"][local].sum(-1).float(),
+                truncated=torch.zeros(per_rank),
+                total_length=data["attention_mask"][local].sum(-1).float(),
+                prompts=["p"] * per_rank,
+                labels=["l"] * per_rank,
+                info={GROUP_KEY: data["group"][local]},
+            )
+            trainer.replay_buffer.append(experience)
+            status = trainer.ppo_train(0.0)
+        params = list(actor.model.module.parameters())
+        with deepspeed.zero.GatheredParameters(params, enabled=case.zero_stage == 3):
+            weights = [p.detach().clone().double() for p in params]
+        if rank == 0:
+            torch.save(
+                {"weights": weights, "status": status}, os.path.join(out_dir, case.name + ".pt")
+            )
+        torch.distributed.barrier()
+
+
+def reference_weights(case: Case, world: int) -> tuple[list[torch.Tensor], list[float]]:
+    """One-piece gradient of each mini-batch objective (same groups per step), torch AdamW."""
+    from openrlhf.models import Actor
+
+    from drpo_openrlhf.algo import ResponseScalars, minibatch_loss, response_scalars
+    from drpo_openrlhf.integration.layout import Layout, plan_optimizer_steps
+
+    data = rollout()
+    old = old_log_probs(data)
+    actor = Actor(tiny_model(), temperature=0.6)
+    actor.packing_samples = False
+    optim = torch.optim.AdamW(
+        actor.parameters(), lr=LR, betas=(0.9, 0.999), eps=1.0, weight_decay=0
+    )
+    layout = Layout(world, N, PROMPTS, TRAIN_BATCH, case.micro_batch_size)
+    per_rank = PROMPTS * N // world
+    plans = [
+        plan_optimizer_steps(data["group"][r * per_rank : (r + 1) * per_rank].tolist(), N, layout)
+        for r in range(world)
+    ]
+    losses = []
+    for k in range(len(plans[0])):
+        parts = []
+        for j in range(layout.micro_steps):
+            idx = torch.tensor([r * per_rank + i for r in range(world) for i in plans[r][k][j]])
+            log_probs = actor(
+                data["sequences"][idx],
+                data["action_mask"][idx],
+                attention_mask=data["attention_mask"][idx],
+            )
+            parts.append(
+                response_scalars(
+                    log_probs,
+                    old[idx],
+                    data["action_mask"][idx],
+                    data["scores"][idx].bool(),
+                    data["group"][idx],
+                    microstep=j,
+                )
+            )
+        loss, _ = minibatch_loss(ResponseScalars.concat(parts), drpo_config(case), max_len=8)
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+        losses.append(loss.item())
+    return [p.detach().clone().double() for p in actor.parameters()], losses

@@ -1,0 +1,52 @@
+import pytest
+
+from drpo_openrlhf.integration.layout import Layout, LayoutError, plan_optimizer_steps
+
+
+def paper_layout(**overrides) -> Layout:
+    """The released runs: 128 prompts x 8 responses, mini-batch 32 prompts, 8 GPUs."""
+    values = dict(
+        world_size=8,
+        n_samples_per_prompt=8,
+        rollout_batch_size=128,
+        train_batch_size=256,
+        micro_batch_size=4,
+    )
+    return Layout(**{**values, **overrides})
+
+
+def test_paper_layout_is_accepted():
+    layout = paper_layout()
+    layout.check()
+    assert layout.samples_per_step == 32 and layout.micro_steps == 8
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (dict(n_samples_per_prompt=1), "n_samples_per_prompt >= 2"),
+        (dict(rollout_batch_size=100), "multiple of the 8 actor ranks"),
+        (dict(world_size=64), "multiple of n_samples_per_prompt x actor ranks"),
+        (dict(train_batch_size=384), "must divide the rollout's 1024 responses"),
+        (dict(micro_batch_size=3), "must divide the 32 responses"),
+        (dict(rollout_micro_batch_size=48), "--rollout.micro_batch_size \\(48\\)"),
+    ],
+)
+def test_layouts_that_would_break_groups_are_rejected(overrides, message):
+    with pytest.raises(LayoutError, match=message):
+        paper_layout(**overrides).check()
+
+
+def test_plan_keeps_groups_whole_per_step_and_orders_by_group():
+    layout = Layout(1, 2, 3, 4, 2)  # 3 prompts x 2, steps of 4 responses, micro 2
+    group_ids = [7, 7, 3, 3, 5, 5]
+    with pytest.raises(LayoutError, match="not a multiple of the 4"):
+        plan_optimizer_steps(group_ids, 2, layout)
+    layout = Layout(1, 2, 4, 4, 2)
+    plan = plan_optimizer_steps([7, 3, 7, 3, 5, 9, 5, 9], 2, layout)
+    assert plan == [[[1, 3], [4, 6]], [[0, 2], [5, 7]]]
+
+
+def test_plan_rejects_groups_split_across_ranks():
+    with pytest.raises(LayoutError, match="prompt group 4 has 1 responses"):
+        plan_optimizer_steps([3, 3, 4], 2, Layout(1, 2, 2, 4, 2))

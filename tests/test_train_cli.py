@@ -1,0 +1,155 @@
+import math
+import runpy
+import subprocess
+import sys
+
+import pytest
+
+from drpo_openrlhf import train
+
+BASE = [
+    "--actor.model_name_or_path",
+    "some/model",
+    "--rollout.n_samples_per_prompt",
+    "8",
+    "--rollout.batch_size",
+    "128",
+    "--train.batch_size",
+    "256",
+    "--train.micro_batch_size",
+    "4",
+]
+
+
+def value_after(argv: list[str], flag: str) -> list[str]:
+    i = argv.index(flag)
+    values = []
+    for a in argv[i + 1 :]:
+        if a.startswith("--"):
+            break
+        values.append(a)
+    return values
+
+
+def test_help_shows_both_groups_without_importing_gpu_modules():
+    code = (
+        "import sys\n"
+        "from drpo_openrlhf.train import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
+        "print('GPU modules imported:', [m for m in ('vllm', 'flash_attn') if m in sys.modules])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "--actor.model_name_or_path" in out.stdout and "--drpo.lam" in out.stdout
+    assert "--drpo.kl_estimate {minibatch,microstep}" in out.stdout
+    assert "GPU modules imported: []" in out.stdout
+
+
+def test_parse_applies_drpo_defaults_and_keeps_user_values():
+    config, argv = train.parse(
+        [
+            *BASE,
+            "--drpo.lam",
+            "inf",
+            "--drpo.tau",
+            "5",
+            "--actor.adam.lr",
+            "2e-6",
+            "--rollout.temperature",
+            "0.7",
+        ]
+    )
+    assert math.isinf(config.lam) and config.tau == 5 and config.max_len is None
+    assert not any(a.startswith("--drpo.") for a in argv)
+    assert value_after(argv, "--algo.kl.init_coef") == ["0"]
+    assert value_after(argv, "--actor.adam.betas") == ["0.9", "0.999"]
+    assert value_after(argv, "--actor.lr_scheduler") == ["constant"]
+    assert value_after(argv, "--reward.remote_url") == [str(train.MATH_REWARD)]
+    assert train.MATH_REWARD.is_file()
+    assert value_after(argv, "--rollout.temperature") == ["0.7"]
+    assert argv.count("--rollout.temperature") == 1
+
+
+def test_drpo_options_reach_the_config():
+    config, _ = train.parse(
+        [
+            *BASE,
+            "--drpo.keep_all_wrong",
+            "--drpo.penalty_form",
+            "paper",
+            "--drpo.length_reward",
+            "cosine",
+            "--drpo.max_len",
+            "4096",
+        ]
+    )
+    assert config.keep_all_wrong and config.penalty_form == "paper"
+    assert config.length_reward == "cosine" and config.max_len == 4096
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--actor.eps_clip", "0.3"], "no ratio clipping"),
+        (["--train.max_epochs", "2"], "one pass over each rollout"),
+        (["--train.dynamic_batch_enable"], "dynamic batching"),
+        (["--critic.model_name_or_path", "x"], "no critic"),
+        (["--algo.advantage.estimator", "gae"], "needs a critic"),
+        (["--algo.kl.use_loss"], "trust region"),
+        (["--train.micro_batch_size", "3"], "must divide the 32 responses"),
+        (["--drpo.lam", "0"], "lambda must be > 0"),
+        (["--drpo.penalty_form", "half"], "invalid choice"),
+        (["--no.such.flag", "1"], "unrecognized arguments"),
+    ],
+)
+def test_incompatible_or_invalid_flags_are_usage_errors(extra, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train.parse([*BASE, *extra])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_flags_at_their_openrlhf_default_are_accepted():
+    train.parse([*BASE, "--train.max_epochs", "1", "--actor.eps_clip", "0.2"])
+
+
+def test_every_rejected_flag_exists_in_openrlhf():
+    options = set(train.build_parser()._option_string_actions)
+    assert set(train.REJECTED_FLAGS) <= options and set(train.DRPO_DEFAULTS) <= options
+
+
+def test_main_runs_openrlhf_with_the_drpo_actors(monkeypatch):
+    import openrlhf.utils.config as openrlhf_config
+    from openrlhf.trainer import ppo_trainer
+    from openrlhf.trainer.ray import ppo_actor
+
+    from drpo_openrlhf.integration import ray_actors
+
+    for module, name in [
+        (openrlhf_config, "hierarchize"),
+        (ppo_actor, "PolicyModelActor"),
+        (ppo_trainer, "PPOTrainer"),
+    ]:
+        monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    seen = {}
+
+    def fake_run_module(name, run_name, alter_sys):
+        from drpo_openrlhf.openrlhf_cli import openrlhf_parser
+
+        args = openrlhf_config.hierarchize(openrlhf_parser().parse_args(sys.argv[1:]))
+        seen.update(
+            name=name,
+            run_name=run_name,
+            argv=list(sys.argv),
+            args=args,
+            actor=ppo_actor.PolicyModelActor,
+            trainer=ppo_trainer.PPOTrainer,
+        )
+
+    monkeypatch.setattr(runpy, "run_module", fake_run_module)
+    train.main([*BASE, "--drpo.lam", "0.2"])
+    assert seen["name"] == "openrlhf.cli.train_ppo_ray" and seen["run_name"] == "__main__"
+    assert seen["actor"] is ray_actors.DRPOPolicyModelActor
+    assert seen["trainer"] is ray_actors.DRPOPPOTrainer
+    assert seen["args"].drpo.lam == 0.2 and seen["args"].algo.kl.init_coef == 0
+    assert "--drpo.lam" not in seen["argv"]
