@@ -153,3 +153,26 @@ def test_main_runs_openrlhf_with_the_drpo_actors(monkeypatch):
     assert seen["trainer"] is ray_actors.DRPOPPOTrainer
     assert seen["args"].drpo.lam == 0.2 and seen["args"].algo.kl.init_coef == 0
     assert "--drpo.lam" not in seen["argv"]
+
+
+def shell_command_lines(text: str, start: str) -> list[str]:
+    """The whitespace-split words of the continued shell command beginning with ``start``."""
+    lines = text.splitlines()
+    i = next(k for k, line in enumerate(lines) if line.strip().startswith(start))
+    words = []
+    for line in lines[i:]:
+        words += line.strip().rstrip("\\").split()
+        if not line.rstrip().endswith("\\"):
+            return words
+    return words
+
+
+@pytest.mark.parametrize("path", ["README.md", "scripts/smoke_gpu.sh"])
+def test_documented_commands_parse(path):
+    from pathlib import Path
+
+    text = (Path(__file__).parent.parent / path).read_text()
+    words = shell_command_lines(text, "python -m drpo_openrlhf.train")
+    argv = [w.strip('"') for w in words[3:]]
+    config, openrlhf_argv = train.parse(argv)
+    assert config.lam == 0.1 and "--actor.model_name_or_path" in openrlhf_argv

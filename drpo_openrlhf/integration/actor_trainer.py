@@ -165,7 +165,7 @@ class DRPOActorTrainer(ActorPPOTrainer):
                 "drpo/mean_signal_correct": signal["mean_signal_correct"],
                 "drpo/mean_signal_incorrect": signal["mean_signal_incorrect"],
                 "drpo/truncated": truncated.mean().item(),
-                "drpo/update_tokens_per_s": float(local.num_tokens.sum()) / elapsed,
+                "drpo/update_tokens_per_s": float(gathered.num_tokens.sum()) / elapsed,
                 "actor_lr": self.actor_scheduler.get_last_lr()[0],
                 "actor_grad_norm": float(self.strategy.get_grad_norm(self.actor)),
             }
