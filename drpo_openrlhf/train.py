@@ -1,8 +1,9 @@
 """``python -m drpo_openrlhf.train``: OpenRLHF 0.11.2's PPO entry point with DRPO's loss.
 
-Accepts every OpenRLHF flag unchanged plus the ``--drpo.*`` group. Parsing, defaults and
-validation happen here, before anything GPU-side is imported, so ``--help`` and bad flags
-are answered on any machine.
+Accepts every OpenRLHF flag unchanged plus the ``--drpo.*`` group; ``--shaping.method``
+instead runs one of the paper's baselines (PPO on length-shaped rewards). Parsing, defaults
+and validation happen here, before anything GPU-side is imported, so ``--help`` and bad
+flags are answered on any machine.
 """
 
 from __future__ import annotations
@@ -11,10 +12,13 @@ import argparse
 import sys
 from dataclasses import fields
 from pathlib import Path
+from types import SimpleNamespace
 
 from drpo_openrlhf.algo import DRPOConfig
 from drpo_openrlhf.algo.config import KL_ESTIMATES, PENALTY_FORMS
 from drpo_openrlhf.algo.length_reward import LENGTH_REWARDS
+from drpo_openrlhf.algo.shaper import GroupRewardShaper
+from drpo_openrlhf.algo.shaping import METHODS
 from drpo_openrlhf.integration.layout import Layout
 from drpo_openrlhf.openrlhf_cli import openrlhf_parser
 
@@ -135,33 +139,65 @@ def add_drpo_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _shaping_params(text: str) -> dict[str, float | None]:
+    params: dict[str, float | None] = {}
+    for item in filter(None, text.split(",")):
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"expected key=value, got {item!r}")
+        params[name.strip()] = None if value.strip().lower() == "none" else float(value)
+    return params
+
+
+def add_shaping_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("Baselines (drpo_openrlhf): PPO on length-shaped rewards")
+    g.add_argument(
+        "--shaping.method",
+        choices=METHODS,
+        default=None,
+        help="run this baseline instead of DRPO (docs/baselines.md)",
+    )
+    g.add_argument(
+        "--shaping.params",
+        type=_shaping_params,
+        default={},
+        help="its hyper-parameters, e.g. 'alpha=0.2' or 'w=1,c=-0.7'",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = openrlhf_parser()
     parser.prog = "python -m drpo_openrlhf.train"
     parser.description = __doc__.splitlines()[0]
     add_drpo_arguments(parser)
+    add_shaping_arguments(parser)
     return parser
 
 
 def openrlhf_args_of(argv: list[str]) -> list[str]:
-    """``argv`` without the ``--drpo.*`` flags and their values."""
-    drpo_only = argparse.ArgumentParser(add_help=False)
-    add_drpo_arguments(drpo_only)
-    return drpo_only.parse_known_args(argv)[1]
+    """``argv`` without our ``--drpo.*`` and ``--shaping.*`` flags and their values."""
+    ours = argparse.ArgumentParser(add_help=False)
+    add_drpo_arguments(ours)
+    add_shaping_arguments(ours)
+    return ours.parse_known_args(argv)[1]
 
 
 def _given(argv: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in argv)
 
 
-def with_drpo_defaults(openrlhf_argv: list[str]) -> list[str]:
+def baseline_defaults(method: str) -> dict[str, list[str]]:
+    """The paper's estimator for each baseline (RLOO for RLOO-LP, GRPO otherwise) and the
+    math reward; everything else stays OpenRLHF's (set clip, KL, ... per the paper's recipes)."""
+    estimator = "rloo" if method == "rloo_lp" else "group_norm"
+    return {"--algo.advantage.estimator": [estimator], "--reward.remote_url": [str(MATH_REWARD)]}
+
+
+def with_defaults(argv: list[str], defaults: dict[str, list[str]]) -> list[str]:
     extra = [
-        x
-        for flag, values in DRPO_DEFAULTS.items()
-        if not _given(openrlhf_argv, flag)
-        for x in (flag, *values)
+        x for flag, values in defaults.items() if not _given(argv, flag) for x in (flag, *values)
     ]
-    return openrlhf_argv + extra
+    return argv + extra
 
 
 def drpo_config(args: argparse.Namespace) -> DRPOConfig:
@@ -187,24 +223,33 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> DRPOC
     return drpo_config(args)
 
 
-def parse(argv: list[str]) -> tuple[DRPOConfig, list[str]]:
-    """DRPO config and the OpenRLHF argv (DRPO defaults applied) of a command line.
+def parse(argv: list[str]) -> tuple[DRPOConfig, SimpleNamespace, list[str]]:
+    """DRPO config, baseline shaping and the OpenRLHF argv (defaults applied) of a command.
 
     Exits with a usage error for unknown, invalid or DRPO-incompatible flags."""
     parser = build_parser()
-    args = parser.parse_args(with_drpo_defaults(argv))
+    method = parser.parse_known_args(argv)[0].__dict__["shaping.method"]
+    defaults = baseline_defaults(method) if method else DRPO_DEFAULTS
+    args = parser.parse_args(with_defaults(argv, defaults))
+    shaping = SimpleNamespace(method=method, params=getattr(args, "shaping.params"))
     try:
-        config = validate(args, parser)
+        if method:  # PPO on shaped rewards: OpenRLHF validates its own flags
+            GroupRewardShaper(
+                method, getattr(args, "rollout.n_samples_per_prompt"), **shaping.params
+            )
+            config = drpo_config(args)
+        else:
+            config = validate(args, parser)
     except ValueError as error:  # LayoutError included
         parser.error(str(error))
-    return config, with_drpo_defaults(openrlhf_args_of(argv))
+    return config, shaping, with_defaults(openrlhf_args_of(argv), defaults)
 
 
 def main(argv: list[str] | None = None) -> None:
-    config, openrlhf_argv = parse(list(sys.argv[1:] if argv is None else argv))
+    config, shaping, openrlhf_argv = parse(list(sys.argv[1:] if argv is None else argv))
     from drpo_openrlhf.integration.launch import run_openrlhf
 
-    run_openrlhf(openrlhf_argv, config)
+    run_openrlhf(openrlhf_argv, config, shaping)
 
 
 if __name__ == "__main__":

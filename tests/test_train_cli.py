@@ -45,7 +45,7 @@ def test_help_shows_both_groups_without_importing_gpu_modules():
 
 
 def test_parse_applies_drpo_defaults_and_keeps_user_values():
-    config, argv = train.parse(
+    config, _, argv = train.parse(
         [
             *BASE,
             "--drpo.lam",
@@ -70,7 +70,7 @@ def test_parse_applies_drpo_defaults_and_keeps_user_values():
 
 
 def test_drpo_options_reach_the_config():
-    config, _ = train.parse(
+    config, _, _ = train.parse(
         [
             *BASE,
             "--drpo.keep_all_wrong",
@@ -150,7 +150,8 @@ def test_main_runs_openrlhf_with_the_drpo_actors(monkeypatch):
     train.main([*BASE, "--drpo.lam", "0.2"])
     assert seen["name"] == "openrlhf.cli.train_ppo_ray" and seen["run_name"] == "__main__"
     assert seen["actor"] is ray_actors.DRPOPolicyModelActor
-    assert seen["trainer"] is ray_actors.DRPOPPOTrainer
+    assert seen["trainer"] is ray_actors.GroupAwarePPOTrainer
+    assert seen["args"].shaping.method is None
     assert seen["args"].drpo.lam == 0.2 and seen["args"].algo.kl.init_coef == 0
     assert "--drpo.lam" not in seen["argv"]
 
@@ -174,5 +175,67 @@ def test_documented_commands_parse(path):
     text = (Path(__file__).parent.parent / path).read_text()
     words = shell_command_lines(text, "python -m drpo_openrlhf.train")
     argv = [w.strip('"') for w in words[3:]]
-    config, openrlhf_argv = train.parse(argv)
+    config, _, openrlhf_argv = train.parse(argv)
     assert config.lam == 0.1 and "--actor.model_name_or_path" in openrlhf_argv
+
+
+def test_baseline_mode_keeps_ppo_and_sets_the_papers_estimator():
+    _, shaping, argv = train.parse(
+        [
+            *BASE,
+            "--shaping.method",
+            "rloo_lp",
+            "--shaping.params",
+            "alpha=0.2",
+            "--actor.eps_clip",
+            "0.2",
+        ]
+    )
+    assert shaping.method == "rloo_lp" and shaping.params == {"alpha": 0.2}
+    assert value_after(argv, "--algo.advantage.estimator") == ["rloo"]
+    assert "--algo.kl.init_coef" not in argv and "--shaping.method" not in argv
+    _, shaping, argv = train.parse([*BASE, "--shaping.method", "hapo", "--shaping.params", "w=0.1"])
+    assert value_after(argv, "--algo.advantage.estimator") == ["group_norm"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--shaping.method", "alp"], "alp needs beta"),
+        (["--shaping.method", "hapo", "--shaping.params", "w=2"], "w must be"),
+        (["--shaping.method", "rloo_lp", "--shaping.params", "alpha"], "expected key=value"),
+        (["--shaping.method", "grpo"], "invalid choice"),
+    ],
+)
+def test_bad_baseline_settings_are_usage_errors(extra, message, capsys):
+    with pytest.raises(SystemExit):
+        train.parse([*BASE, *extra])
+    assert message in capsys.readouterr().err
+
+
+def test_main_in_baseline_mode_keeps_openrlhfs_actor(monkeypatch):
+    import openrlhf.utils.config as openrlhf_config
+    from openrlhf.trainer import ppo_trainer
+    from openrlhf.trainer.ray import ppo_actor
+
+    for module, name in [
+        (openrlhf_config, "hierarchize"),
+        (ppo_actor, "PolicyModelActor"),
+        (ppo_trainer, "PPOTrainer"),
+    ]:
+        monkeypatch.setattr(module, name, getattr(module, name))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    stock_actor = ppo_actor.PolicyModelActor
+    seen = {}
+    monkeypatch.setattr(
+        runpy,
+        "run_module",
+        lambda *a, **k: seen.update(
+            actor=ppo_actor.PolicyModelActor, trainer=ppo_trainer.PPOTrainer
+        ),
+    )
+    train.main([*BASE, "--shaping.method", "hapo", "--shaping.params", "w=1"])
+    assert seen["actor"] is stock_actor
+    from drpo_openrlhf.integration.ray_actors import GroupAwarePPOTrainer
+
+    assert seen["trainer"] is GroupAwarePPOTrainer

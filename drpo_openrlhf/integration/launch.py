@@ -14,29 +14,33 @@ from drpo_openrlhf.algo import DRPOConfig
 from drpo_openrlhf.openrlhf_cli import TRAIN_MODULE
 
 
-def run_openrlhf(openrlhf_argv: list[str], config: DRPOConfig) -> None:
-    """``python -m openrlhf.cli.train_ppo_ray <openrlhf_argv>`` with DRPO's update.
+def run_openrlhf(openrlhf_argv: list[str], config: DRPOConfig, shaping: SimpleNamespace) -> None:
+    """``python -m openrlhf.cli.train_ppo_ray <openrlhf_argv>`` with DRPO's update, or, when
+    ``shaping.method`` names a baseline, with PPO on shaped rewards.
 
     OpenRLHF's ``__main__`` looks up ``PolicyModelActor``, ``PPOTrainer`` and ``hierarchize``
     at run time, so replacing the module attributes before ``runpy`` runs it is enough: its
     own parsing, validation, placement groups, vLLM engines, checkpoints and logging stay
-    untouched. ``args.drpo`` travels to every Ray actor inside ``strategy.args``.
+    untouched. ``args.drpo`` and ``args.shaping`` travel to every Ray actor inside
+    ``strategy.args``.
     """
     import openrlhf.utils.config as openrlhf_config
     from openrlhf.trainer import ppo_trainer
     from openrlhf.trainer.ray import ppo_actor
 
-    from drpo_openrlhf.integration.ray_actors import DRPOPolicyModelActor, DRPOPPOTrainer
+    from drpo_openrlhf.integration.ray_actors import DRPOPolicyModelActor, GroupAwarePPOTrainer
 
     hierarchize = openrlhf_config.hierarchize
 
     def hierarchize_with_drpo(args):
         nested = hierarchize(args)
         nested.drpo = SimpleNamespace(**asdict(config))
+        nested.shaping = shaping
         return nested
 
     openrlhf_config.hierarchize = hierarchize_with_drpo
-    ppo_actor.PolicyModelActor = DRPOPolicyModelActor
-    ppo_trainer.PPOTrainer = DRPOPPOTrainer
+    if not shaping.method:
+        ppo_actor.PolicyModelActor = DRPOPolicyModelActor
+    ppo_trainer.PPOTrainer = GroupAwarePPOTrainer
     sys.argv = [TRAIN_MODULE, *openrlhf_argv]
     runpy.run_module(TRAIN_MODULE, run_name="__main__", alter_sys=True)

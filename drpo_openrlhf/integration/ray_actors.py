@@ -1,4 +1,4 @@
-"""The Ray actor classes a DRPO run uses in place of OpenRLHF's.
+"""The Ray actor classes a DRPO (or baseline) run uses in place of OpenRLHF's.
 
 Ray forbids subclassing a ``@ray.remote`` class, so we subclass the undecorated classes and
 decorate ours. They live in an importable module: Ray pickles them by reference, so every
@@ -15,11 +15,13 @@ from openrlhf.trainer import ppo_trainer
 from openrlhf.trainer.ray import ppo_actor
 
 from drpo_openrlhf.algo import DRPOConfig
+from drpo_openrlhf.algo.shaper import GroupRewardShaper
 from drpo_openrlhf.integration.actor_trainer import DRPOActorTrainer
 from drpo_openrlhf.integration.experience import GroupTaggingExperienceMaker
+from drpo_openrlhf.integration.shaping import ShapingExperienceMaker, advantage_signal_stats
 
 logger = logging.getLogger(__name__)
-CHECKPOINT_KEY = "drpo"
+DRPO_STATE, SHAPING_STATE = "drpo", "shaping"  # our keys in OpenRLHF's checkpoint client state
 
 
 class _DRPOPolicyModelActor(ppo_actor.PolicyModelActor.__ray_actor_class__):
@@ -30,23 +32,53 @@ class _DRPOPolicyModelActor(ppo_actor.PolicyModelActor.__ray_actor_class__):
         # vLLM weight-sync group, which must exist exactly once.
         self.trainer.__class__ = DRPOActorTrainer
         self.trainer.enable_drpo(config)
-        saved = self.checkpoint_states.get(CHECKPOINT_KEY)
+        saved = self.checkpoint_states.get(DRPO_STATE)
         if saved is not None and saved != asdict(config):
             logger.warning(
                 "resuming with DRPO settings %s; checkpoint had %s", asdict(config), saved
             )
 
     def save_checkpoint(self, tag, client_states=None, metric_value=None, metric_key=None):
-        states = dict(client_states or {})
-        states[CHECKPOINT_KEY] = asdict(self.trainer.drpo)
+        states = {**(client_states or {}), DRPO_STATE: asdict(self.trainer.drpo)}
         return super().save_checkpoint(tag, states, metric_value, metric_key)
 
 
-class _DRPOPPOTrainer(ppo_trainer.PPOTrainer.__ray_actor_class__):
+class _GroupAwarePPOTrainer(ppo_trainer.PPOTrainer.__ray_actor_class__):
+    """Installs the experience-maker hook: group tags for DRPO, reward shaping for baselines,
+    and keeps the shaper's state (HAPO's history) in OpenRLHF's checkpoints."""
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.experience_maker.__class__ = GroupTaggingExperienceMaker
+        shaping = self.args.shaping
+        if shaping.method:
+            self.experience_maker.__class__ = ShapingExperienceMaker
+            self.experience_maker.shaper = GroupRewardShaper(
+                shaping.method, self.args.rollout.n_samples_per_prompt, **shaping.params
+            )
+        else:
+            self.experience_maker.__class__ = GroupTaggingExperienceMaker
+
+    @property
+    def _shaper(self) -> GroupRewardShaper | None:
+        return getattr(self.experience_maker, "shaper", None)
+
+    def _compute_rollout_stats(self, experiences):
+        stats = super()._compute_rollout_stats(experiences)
+        if self._shaper is not None:
+            stats.update(advantage_signal_stats(experiences))
+        return stats
+
+    def save_logs_and_checkpoints(self, global_step, logs_dict=None, client_states=None):
+        if self._shaper is not None:
+            client_states = {**(client_states or {}), SHAPING_STATE: self._shaper.state_dict()}
+        return super().save_logs_and_checkpoints(global_step, logs_dict, client_states)
+
+    def init_checkpoint_states(self):
+        states = super().init_checkpoint_states()
+        if self._shaper is not None and SHAPING_STATE in states:
+            self._shaper.load_state_dict(states[SHAPING_STATE])
+        return states
 
 
 DRPOPolicyModelActor = ray.remote(num_gpus=1)(_DRPOPolicyModelActor)
-DRPOPPOTrainer = ray.remote(_DRPOPPOTrainer)
+GroupAwarePPOTrainer = ray.remote(_GroupAwarePPOTrainer)

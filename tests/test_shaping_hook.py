@@ -1,0 +1,132 @@
+"""The baselines' hook inside OpenRLHF's experience maker (driver side), on fake rollouts."""
+
+import json
+
+import pytest
+import torch
+from openrlhf.trainer.ppo_utils.experience import Experience
+from openrlhf.trainer.ppo_utils.kl_controller import FixedKLController
+from openrlhf.utils.config import hierarchize
+
+from drpo_openrlhf.algo.shaper import GroupRewardShaper
+from drpo_openrlhf.algo.shaping import shape_rewards
+from drpo_openrlhf.integration import ray_actors
+from drpo_openrlhf.integration.shaping import (
+    ShapingExperienceMaker,
+    advantage_signal_stats,
+    shape_experiences,
+)
+from drpo_openrlhf.openrlhf_cli import openrlhf_parser
+
+N = 4
+LENGTHS = [[30, 10, 50, 20], [5, 40, 25, 60], [12, 12, 70, 8]]
+CORRECT = [[1, 1, 0, 1], [0, 1, 1, 0], [1, 0, 1, 1]]
+
+
+def fake_rollout(order: list[int]) -> list[Experience]:
+    """Experience batches of 3 responses whose rollout indices arrive in ``order``."""
+    flat_len = [x for g in LENGTHS for x in g]
+    flat_ok = [x for g in CORRECT for x in g]
+    batches = []
+    for chunk in (order[i : i + 3] for i in range(0, len(order), 3)):
+        t = 6
+        batches.append(
+            Experience(
+                sequences=torch.ones(len(chunk), t + 1, dtype=torch.long),
+                action_mask=torch.tensor([[0, 1, 1, 1, 1, 1]] * len(chunk)).bool(),
+                kl=torch.zeros(len(chunk), 6),
+                rewards=torch.tensor([float(flat_ok[i]) for i in chunk]),
+                scores=torch.tensor([float(flat_ok[i]) for i in chunk]),
+                response_length=torch.tensor([float(flat_len[i]) for i in chunk]),
+                index=list(chunk),
+                prompts=[f"prompt {i // N}" for i in chunk],
+                info={},
+            )
+        )
+    return batches
+
+
+def maker(method: str, estimator: str, **hparams) -> ShapingExperienceMaker:
+    args = hierarchize(
+        openrlhf_parser().parse_args(
+            ["--rollout.n_samples_per_prompt", str(N), "--algo.advantage.estimator", estimator]
+        )
+    )
+    m = ShapingExperienceMaker.__new__(ShapingExperienceMaker)  # no Ray groups needed here
+    m.strategy, m.args, m.kl_ctl = type("S", (), {"args": args})(), args, FixedKLController(0)
+    m.advantage_estimator = estimator
+    m.shaper = GroupRewardShaper(method, N, **hparams)
+    return m
+
+
+ORDER = [5, 0, 11, 2, 9, 1, 7, 3, 10, 4, 8, 6]  # completion order, groups interleaved
+
+
+def test_shaping_follows_rollout_indices_not_arrival_order():
+    experiences = fake_rollout(ORDER)
+    shape_experiences(GroupRewardShaper("rloo_lp", N, alpha=0.2), experiences)
+    expected = [
+        r
+        for lengths, ok in zip(LENGTHS, CORRECT, strict=True)
+        for r in shape_rewards("rloo_lp", lengths, ok, alpha=0.2)
+    ]
+    got = {i: r for e in experiences for i, r in zip(e.index, e.rewards.tolist(), strict=True)}
+    assert [got[i] for i in range(12)] == pytest.approx(expected, abs=1e-6)
+    assert all(torch.equal(e.info["shaped_reward"], e.rewards) for e in experiences)
+
+
+@pytest.mark.parametrize(
+    ("method", "estimator", "hparams"),
+    [("rloo_lp", "rloo", dict(alpha=0.2)), ("alp", "group_norm", dict(beta=1e-3))],
+)
+def test_openrlhfs_advantages_use_the_shaped_rewards(method, estimator, hparams):
+    m = maker(method, estimator, **hparams)
+    experiences = m.compute_advantages_and_returns(fake_rollout(ORDER))
+    adv = {
+        i: a for e in experiences for i, a in zip(e.index, e.advantages[:, 1].tolist(), strict=True)
+    }
+    for g, (lengths, ok) in enumerate(zip(LENGTHS, CORRECT, strict=True)):
+        r = torch.tensor(shape_rewards(method, lengths, ok, **hparams))
+        if estimator == "rloo":
+            expected = r - (r.sum() - r) / (N - 1)
+        else:  # OpenRLHF's group_norm: unbiased std + 1e-9
+            expected = (r - r.mean()) / (r.std() + 1e-9)
+        assert [adv[g * N + k] for k in range(N)] == pytest.approx(expected.tolist(), abs=1e-5)
+    stats = advantage_signal_stats(experiences)
+    flat_ok = [x for g in CORRECT for x in g]
+    negative = sum(1 for i in range(12) if flat_ok[i] and adv[i] < 0)
+    assert stats["rollout/frac_correct_negative_signal"] == pytest.approx(negative / sum(flat_ok))
+
+
+def test_hapo_history_across_steps_and_checkpoint(monkeypatch):
+    first = maker("hapo", "group_norm", w=1.0)
+    step1 = first.compute_advantages_and_returns(fake_rollout(ORDER))
+    assert all(torch.equal(e.rewards, e.scores) for e in step1)  # no history yet: no length term
+    trainer = ray_actors._GroupAwarePPOTrainer.__new__(ray_actors._GroupAwarePPOTrainer)
+    trainer.experience_maker = first
+    saved = {}
+    base = ray_actors._GroupAwarePPOTrainer.__mro__[1]
+    monkeypatch.setattr(
+        base,
+        "save_logs_and_checkpoints",
+        lambda self, step, logs=None, states=None: saved.update(states),
+    )
+    trainer.save_logs_and_checkpoints(1, {}, {"global_step": 1})
+    state = json.loads(json.dumps(saved[ray_actors.SHAPING_STATE]))
+    assert state["history"] == {"prompt 0": 10.0, "prompt 1": 25.0, "prompt 2": 8.0}
+
+    resumed = maker("hapo", "group_norm", w=1.0)
+    trainer.experience_maker = resumed
+    monkeypatch.setattr(
+        base,
+        "init_checkpoint_states",
+        lambda self: {"global_step": 1, ray_actors.SHAPING_STATE: state},
+    )
+    trainer.init_checkpoint_states()
+    step2_resumed = resumed.compute_advantages_and_returns(fake_rollout(list(range(12))))
+    step2_continued = first.compute_advantages_and_returns(fake_rollout(list(range(12))))
+    for a, b in zip(step2_resumed, step2_continued, strict=True):
+        assert torch.equal(a.rewards, b.rewards)
+    # with history, a correct response longer than the shortest one is no longer rewarded 1
+    rewards = torch.cat([e.rewards for e in step2_continued])
+    assert rewards[0] < 1.0 and rewards[1] > rewards[0]
