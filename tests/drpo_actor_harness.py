@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from unittest import mock
 
+import actor_setup
 import torch
-from stand_ins import install_stand_ins
 
 N, PROMPTS, TRAIN_BATCH = 4, 8, 16  # responses per prompt, prompts per rollout, per step
 VOCAB, LR = 48, 0.05
@@ -31,6 +30,7 @@ def tiny_model():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
+    torch.set_default_dtype(torch.float32)  # the same draws in every process
     config = Qwen2Config(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -82,10 +82,6 @@ def old_log_probs(data) -> torch.Tensor:
 
 
 def openrlhf_args(case: Case, world: int):
-    from openrlhf.utils.config import hierarchize
-
-    from drpo_openrlhf.openrlhf_cli import openrlhf_parser
-
     flags = [
         "--rollout.n_samples_per_prompt",
         str(N),
@@ -121,9 +117,7 @@ def openrlhf_args(case: Case, world: int):
     ]
     if case.packing:
         flags.append("--ds.packing_samples")
-    args = hierarchize(openrlhf_parser().parse_args(flags))
-    args.actor.eps_clip_low_high = (args.actor.eps_clip, args.actor.eps_clip)
-    return args
+    return actor_setup.openrlhf_args(flags)
 
 
 def drpo_config(case: Case):
@@ -134,23 +128,8 @@ def drpo_config(case: Case):
 
 def run_rank(rank: int, world: int, port: int, cases: list[Case], out_dir: str) -> None:
     """One data-parallel rank: OpenRLHF strategy + actor + trainer, DRPO's ppo_train."""
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK="-1",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        TORCHDYNAMO_DISABLE="1",
-        HF_HUB_OFFLINE="1",
-    )
-    install_stand_ins()
+    actor_setup.set_rank_env(rank, world, port)
     import deepspeed
-    from openrlhf.models import Actor
-    from openrlhf.trainer.ppo_utils.experience import Experience
-    from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
-    from openrlhf.utils import get_strategy
-    from openrlhf.utils.deepspeed import deepspeed as openrlhf_ds
-    from torch.distributed.device_mesh import init_device_mesh
 
     from drpo_openrlhf.integration.actor_trainer import GROUP_KEY, DRPOActorTrainer
 
@@ -159,66 +138,14 @@ def run_rank(rank: int, world: int, port: int, cases: list[Case], out_dir: str) 
     per_rank = PROMPTS * N // world
     local = slice(rank * per_rank, (rank + 1) * per_rank)
     for case in cases:
-        args = openrlhf_args(case, world)
-        strategy = get_strategy(args)
-        strategy.param_dtype = "fp32"
-        get_config = strategy.get_ds_train_config
-
-        def torch_adam_config(*a, _get=get_config, **k):  # avoid a 40 s FusedAdam JIT build
-            config = _get(*a, **k)
-            if "optimizer" in config:
-                config["optimizer"]["params"]["torch_adam"] = True
-                config["zero_allow_untested_optimizer"] = True
-            return config
-
-        strategy.get_ds_train_config = torch_adam_config
-        cpu_mesh = lambda _device, *a, **k: init_device_mesh("cpu", *a, **k)  # noqa: E731
-        with mock.patch.object(openrlhf_ds, "init_device_mesh", cpu_mesh):
-            strategy.setup_distributed()
-        actor = Actor(tiny_model(), temperature=0.6)
-        actor.packing_samples = case.packing
-        cfg = dict(
-            optim="adam",
-            muon=vars(args.actor.muon),
-            adam=vars(args.actor.adam),
-            lr_scheduler="constant",
-            lr_warmup_ratio=0.0,
-            min_lr_ratio=0.1,
-            max_norm=0.0,
-            scheduler_steps=10,
-        )
-        actor, optim, scheduler = strategy.prepare((actor, cfg))
-        with (
-            mock.patch("torch.cuda.current_device", lambda: 0),
-            mock.patch("torch.cuda.synchronize", lambda *a: None),
-        ):
-            trainer = ActorPPOTrainer(
-                strategy,
-                actor,
-                ema_model=None,
-                actor_optim=optim,
-                actor_scheduler=scheduler,
-                micro_train_batch_size=case.micro_batch_size,
-                tokenizer=None,
-                dataloader_pin_memory=False,
-            )
-            trainer.__class__ = DRPOActorTrainer
-            trainer.enable_drpo(drpo_config(case))
-            experience = Experience(
-                sequences=data["sequences"][local],
-                attention_mask=data["attention_mask"][local],
-                action_mask=data["action_mask"][local],
-                action_log_probs=old[local],
-                rewards=data["scores"][local],
-                scores=data["scores"][local],
-                response_length=data["action_mask"][local].sum(-1).float(),
-                truncated=torch.zeros(per_rank),
-                total_length=data["attention_mask"][local].sum(-1).float(),
-                prompts=["p"] * per_rank,
-                labels=["l"] * per_rank,
-                info={GROUP_KEY: data["group"][local]},
-            )
-            trainer.replay_buffer.append(experience)
+        strategy = actor_setup.setup_strategy(openrlhf_args(case, world), "fp32")
+        actor, optim, scheduler = actor_setup.prepare_actor(strategy, tiny_model())
+        trainer = actor_setup.ppo_trainer(strategy, actor, optim, scheduler)
+        trainer.__class__ = DRPOActorTrainer
+        trainer.enable_drpo(drpo_config(case))
+        local_data = {k: v[local] for k, v in data.items()}
+        trainer.replay_buffer.append(actor_setup.experience(local_data, old[local], GROUP_KEY))
+        with actor_setup.cuda_queries_answered("cpu", "cpu"):
             status = trainer.ppo_train(0.0)
         params = list(actor.model.module.parameters())
         with deepspeed.zero.GatheredParameters(params, enabled=case.zero_stage == 3):

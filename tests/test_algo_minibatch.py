@@ -14,7 +14,7 @@ from drpo_openrlhf.algo import (
     surrogate_loss,
 )
 
-torch.set_default_dtype(torch.float64)
+pytestmark = pytest.mark.usefixtures("float64_default")
 VOCAB, DIM, MAX_T = 11, 5, 9
 
 

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from drpo_openrlhf.algo import drpo_loss, drpo_objective, length_reward, positive_weights
 
-torch.set_default_dtype(torch.float64)
+pytestmark = pytest.mark.usefixtures("float64_default")
 
 
 def random_batch(seed: int, num_groups: int = 6, max_size: int = 9, max_len: int = 4096):

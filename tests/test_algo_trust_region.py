@@ -3,7 +3,7 @@ import torch
 
 from drpo_openrlhf.algo import kl_estimate, kl_penalty
 
-torch.set_default_dtype(torch.float64)
+pytestmark = pytest.mark.usefixtures("float64_default")
 
 
 def test_kl_estimate_is_the_token_mean_over_the_mask():

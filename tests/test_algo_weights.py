@@ -5,7 +5,7 @@ import torch
 
 from drpo_openrlhf.algo import length_reward, positive_log_weights, positive_weights
 
-torch.set_default_dtype(torch.float64)
+pytestmark = pytest.mark.usefixtures("float64_default")
 
 
 def kl_regularised_reward(p: torch.Tensor, base: torch.Tensor, r: torch.Tensor, lam: float):

@@ -1,0 +1,157 @@
+"""OpenRLHF's real actor stack (``DeepspeedStrategy``, ``Actor``, ``ActorPPOTrainer``) built in
+one process the way its Ray ``PolicyModelActor`` builds it, without Ray and, on CPU, without
+CUDA. Shared by the exactness tests and ``scripts/bench_actor_update.py``.
+
+Substitutions: torch's AdamW instead of DeepSpeed's FusedAdam (whose JIT build takes ~40 s and
+needs a compiler toolchain); on CPU also gloo with a CPU device mesh, and answers to the
+``torch.cuda`` device queries OpenRLHF makes unconditionally.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from unittest import mock
+
+import torch
+from stand_ins import install_stand_ins
+
+
+def set_rank_env(rank: int, world: int, port: int, device: str = "cpu") -> None:
+    """What a launcher would export for this rank; ``LOCAL_RANK`` selects the GPU on CUDA."""
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank) if device == "cuda" else "-1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        TORCHDYNAMO_DISABLE="1",
+        HF_HUB_OFFLINE="1",
+    )
+    install_stand_ins()
+
+
+def openrlhf_args(flags: list[str]):
+    """OpenRLHF's nested args for ``flags``, completed as ``train_ppo_ray``'s main does."""
+    from openrlhf.utils.config import hierarchize
+
+    from drpo_openrlhf.openrlhf_cli import openrlhf_parser
+
+    args = hierarchize(openrlhf_parser().parse_args(flags))
+    if args.actor.eps_clip_low_high is None:
+        args.actor.eps_clip_low_high = (args.actor.eps_clip, args.actor.eps_clip)
+    return args
+
+
+def setup_strategy(args, param_dtype: str, device: str = "cpu"):
+    """``DeepspeedStrategy`` with distributed set up; ``param_dtype`` may be ``fp32``, which
+    OpenRLHF's flag does not offer but its DeepSpeed config supports."""
+    from openrlhf.utils import get_strategy
+    from openrlhf.utils.deepspeed import deepspeed as openrlhf_ds
+    from torch.distributed.device_mesh import init_device_mesh
+
+    strategy = get_strategy(args)
+    strategy.param_dtype = param_dtype
+    get_config = strategy.get_ds_train_config
+
+    def torch_adam_config(*a, **k):
+        config = get_config(*a, **k)
+        if "optimizer" in config:
+            config["optimizer"]["params"]["torch_adam"] = True
+            config["zero_allow_untested_optimizer"] = True
+        return config
+
+    strategy.get_ds_train_config = torch_adam_config
+    cpu_mesh = lambda _device, *a, **k: init_device_mesh("cpu", *a, **k)  # noqa: E731
+    patch = mock.patch.object(openrlhf_ds, "init_device_mesh", cpu_mesh)
+    with patch if device == "cpu" else nullcontext():
+        strategy.setup_distributed()
+    return strategy
+
+
+def prepare_actor(strategy, model: torch.nn.Module, scheduler_steps: int = 10):
+    """Wrap ``model`` in OpenRLHF's ``Actor`` and DeepSpeed engine; returns actor, optim, sched.
+
+    The model is built normally and partitioned by ``deepspeed.initialize``: loading under
+    ``zero.Init`` sometimes corrupted a weight with two gloo ranks."""
+    from openrlhf.models import Actor
+
+    args = strategy.args
+    actor = Actor(model, temperature=args.rollout.temperature)
+    actor.packing_samples = args.ds.packing_samples
+    if args.actor.gradient_checkpointing_enable:
+        actor.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={
+                "use_reentrant": args.actor.gradient_checkpointing_reentrant
+            }
+        )
+    cfg = dict(
+        optim=args.actor.optim,
+        muon=vars(args.actor.muon),
+        adam=vars(args.actor.adam),
+        lr_scheduler=args.actor.lr_scheduler,
+        lr_warmup_ratio=args.actor.lr_warmup_ratio,
+        min_lr_ratio=args.actor.min_lr_ratio,
+        max_norm=args.actor.max_norm,
+        scheduler_steps=scheduler_steps,
+    )
+    return strategy.prepare((actor, cfg))
+
+
+@contextmanager
+def cuda_queries_answered(device: str, current: int | str) -> Iterator[None]:
+    """On CPU, answer ``torch.cuda.current_device()`` with ``current`` and make
+    ``torch.cuda.synchronize`` a no-op; on CUDA change nothing."""
+    if device != "cpu":
+        yield
+        return
+    with (
+        mock.patch("torch.cuda.current_device", lambda: current),
+        mock.patch("torch.cuda.synchronize", lambda *a: None),
+    ):
+        yield
+
+
+def ppo_trainer(strategy, actor, optim, scheduler, device: str = "cpu"):
+    """OpenRLHF's ``ActorPPOTrainer`` as ``PolicyModelActor`` configures it (no vLLM, no EMA).
+
+    Its replay buffer formats ``cuda:{current_device()}``, hence ``0`` here; run ``ppo_train``
+    under ``cuda_queries_answered(device, "cpu")``, which moves batches to the CPU."""
+    from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
+
+    with cuda_queries_answered(device, 0):
+        return ActorPPOTrainer(
+            strategy,
+            actor,
+            ema_model=None,
+            actor_optim=optim,
+            actor_scheduler=scheduler,
+            micro_train_batch_size=strategy.args.train.micro_batch_size,
+            tokenizer=None,
+            dataloader_pin_memory=False,
+        )
+
+
+def experience(data: dict[str, torch.Tensor], old_log_probs: torch.Tensor, group_key: str):
+    """An OpenRLHF ``Experience`` of right-padded rows, carrying the prompt-group ids in
+    ``info[group_key]`` as the DRPO experience maker does; ``advantages`` when ``data`` has
+    them (for the stock PPO loss)."""
+    from openrlhf.trainer.ppo_utils.experience import Experience
+
+    b = data["sequences"].shape[0]
+    return Experience(
+        sequences=data["sequences"],
+        attention_mask=data["attention_mask"],
+        action_mask=data["action_mask"],
+        action_log_probs=old_log_probs,
+        advantages=data.get("advantages"),
+        rewards=data["scores"],
+        scores=data["scores"],
+        response_length=data["action_mask"].sum(-1).float(),
+        truncated=torch.zeros(b),
+        total_length=data["attention_mask"].sum(-1).float(),
+        prompts=["p"] * b,
+        labels=["l"] * b,
+        info={group_key: data["group"]},
+    )

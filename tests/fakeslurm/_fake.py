@@ -1,0 +1,234 @@
+"""Stand-ins for srun, scontrol, ray, hostname, ip and nvidia-smi (tests/test_launch_scripts.py).
+
+Each executable in this directory calls one function here. Every call appends one JSON line
+(program, argv, node, a few environment variables) to $FAKE_LOG, so a test can assert the
+exact commands a launch script ran on which node. A blocking `ray start` registers its GPUs
+in $FAKE_STATE until it is terminated, which is what the fake `ray status` reports; nothing
+real is started.
+
+Knobs (environment): FAKE_JOB=succeed|fail|block (what `ray job submit` does),
+FAKE_RAY_START_FAIL / FAKE_RAY_NO_REGISTER (comma-separated nodes whose `ray start` fails /
+never registers), FAKE_GPUS (GPUs `nvidia-smi -L` lists).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+TRACKED_ENV = (
+    "GPUS_PER_NODE",
+    "SLURM_CPUS_ON_NODE",
+    "NCCL_SOCKET_IFNAME",
+    "GLOO_SOCKET_IFNAME",
+    "WANDB_API_KEY",
+)
+IFACE_PREFIX = {"eth0": "192.168.0.", "ib0": "10.10.0."}
+
+
+def node() -> str:
+    return os.environ.get("SLURMD_NODENAME", "workstation")
+
+
+def record(prog: str, argv: list[str]) -> None:
+    entry = {
+        "prog": prog,
+        "argv": argv,
+        "node": node(),
+        "env": {k: os.environ[k] for k in TRACKED_ENV if k in os.environ},
+    }
+    with open(os.environ["FAKE_LOG"], "a") as f:
+        f.write(json.dumps(entry) + "\n")
+
+
+def expand_hostlist(hostlist: str) -> list[str]:
+    """Slurm's compressed host lists, e.g. ``gpu[01-03,7],login1`` (enough for the tests)."""
+    hosts = []
+    for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[\]]+)", hostlist):
+        if plain:
+            hosts.append(plain)
+            continue
+        for part in ranges.split(","):
+            lo, _, hi = part.partition("-")
+            for i in range(int(lo), int(hi or lo) + 1):
+                hosts.append(f"{prefix}{i:0{len(lo)}d}")
+    return hosts
+
+
+def node_index() -> int:
+    nodes = expand_hostlist(os.environ.get("SLURM_JOB_NODELIST", ""))
+    return nodes.index(node()) if node() in nodes else 0
+
+
+def _listed(var: str) -> bool:
+    return node() in os.environ.get(var, "").split(",")
+
+
+def _block_until_terminated(on_ready, on_term) -> None:
+    """Act like a long-running process: ready only once SIGTERM is handled, so no race."""
+
+    def handler(signum, frame):
+        on_term()
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, handler)
+    on_ready()
+    while True:
+        signal.pause()
+
+
+def srun(argv: list[str]) -> int:
+    record("srun", argv)
+    opts: dict[str, str] = {}
+    args = list(argv)
+    while args and args[0].startswith("-"):
+        arg = args.pop(0)
+        if arg == "--overlap":
+            opts["overlap"] = "1"
+        elif arg in ("-w", "-N", "-n", "-x"):
+            opts[arg] = args.pop(0)
+        elif "=" in arg and arg.split("=")[0] in (
+            "--nodes",
+            "--ntasks",
+            "--ntasks-per-node",
+            "--nodelist",
+            "--exclude",
+        ):
+            key, value = arg.split("=", 1)
+            opts[key] = value
+        else:
+            print(f"fake srun: unsupported option {arg}", file=sys.stderr)
+            return 2
+    if not args:
+        print("fake srun: no command", file=sys.stderr)
+        return 2
+    listed = opts.get("-w") or opts.get("--nodelist")
+    if listed:
+        nodes = expand_hostlist(listed)
+    else:
+        excluded = set(expand_hostlist(opts.get("-x") or opts.get("--exclude") or ""))
+        allocated = expand_hostlist(os.environ["SLURM_JOB_NODELIST"])
+        nodes = [n for n in allocated if n not in excluded]
+    want = int(opts.get("--nodes") or opts.get("-N") or len(nodes))
+    ntasks = int(opts.get("--ntasks") or opts.get("-n") or want)
+    if want > len(nodes) or ntasks != want:
+        print(f"fake srun: cannot place {ntasks} task(s) on {want} of {nodes}", file=sys.stderr)
+        return 2
+    children: list[subprocess.Popen] = []
+
+    def forward(signum, frame):
+        record("srun", ["<SIGTERM>"])
+        for child in children:
+            child.send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, forward)
+    for i, n in enumerate(nodes[:want]):
+        env = {**os.environ, "SLURMD_NODENAME": n, "SLURM_PROCID": str(i)}
+        children.append(subprocess.Popen(args, env=env))
+    return max(child.wait() for child in children)
+
+
+def scontrol(argv: list[str]) -> int:
+    record("scontrol", argv)
+    if argv[:2] == ["show", "hostnames"]:
+        print("\n".join(expand_hostlist(argv[2])))
+        return 0
+    return 0 if argv[:1] == ["requeue"] else 2
+
+
+def _registered(state: Path) -> int:
+    return sum(int(p.read_text()) for p in state.glob("gpus-*"))
+
+
+def ray(argv: list[str]) -> int:
+    record("ray", argv)
+    state = Path(os.environ["FAKE_STATE"])
+    if argv[:1] == ["start"]:
+        if _listed("FAKE_RAY_START_FAIL"):
+            print("fake ray: start failed", file=sys.stderr)
+            return 1
+        gpus = next(a.split("=", 1)[1] for a in argv if a.startswith("--num-gpus="))
+        slot = state / f"gpus-{node()}"
+        pid_file = state / f"pid-{os.getpid()}"  # lets the tests kill leftovers by id
+        pid_file.touch()
+
+        def register():
+            if not _listed("FAKE_RAY_NO_REGISTER"):
+                slot.write_text(gpus)
+
+        def stopped():
+            slot.unlink(missing_ok=True)
+            pid_file.unlink()
+            record("ray", ["<stopped>"])
+
+        _block_until_terminated(register, stopped)
+    if argv[:1] == ["status"]:
+        total = _registered(state)
+        if not total:
+            print("ConnectionError: could not find any running Ray instance", file=sys.stderr)
+            return 1
+        print(f"Resources\n{'-' * 20}\nTotal Usage:\n 0.0/64.0 CPU\n 0.0/{total}.0 GPU\n")
+        return 0
+    if argv[:2] == ["job", "submit"]:
+        mode = os.environ.get("FAKE_JOB", "succeed")
+        print(f"fake job log line ({mode})", flush=True)
+        if mode == "block":
+            pid_file = state / f"pid-{os.getpid()}"
+            pid_file.touch()
+
+            def stopped():
+                pid_file.unlink()
+                record("ray", ["<job client stopped>"])
+
+            _block_until_terminated((state / "job-running").touch, stopped)
+        return 1 if mode == "fail" else 0
+    if argv[:2] == ["job", "stop"]:
+        return 0
+    print(f"fake ray: unsupported {argv}", file=sys.stderr)
+    return 2
+
+
+def hostname(argv: list[str]) -> int:
+    if argv == ["--ip-address"]:
+        print(f"{IFACE_PREFIX['eth0']}{node_index() + 1}")
+    else:
+        print(node())
+    return 0
+
+
+def ip(argv: list[str]) -> int:
+    record("ip", argv)
+    if argv[:5] != ["-o", "-4", "addr", "show", "dev"] or len(argv) != 6:
+        return 2
+    iface = argv[5]
+    if iface not in IFACE_PREFIX:
+        print(f'Device "{iface}" does not exist.', file=sys.stderr)
+        return 1
+    addr = f"{IFACE_PREFIX[iface]}{node_index() + 1}"
+    print(f"3: {iface}    inet {addr}/16 brd 10.10.255.255 scope global {iface}")
+    return 0
+
+
+def nvidia_smi(argv: list[str]) -> int:
+    if argv != ["-L"]:
+        return 2
+    for i in range(int(os.environ.get("FAKE_GPUS", "0"))):
+        print(f"GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-fake-{i})")
+    return 0
+
+
+def main(prog: str) -> None:
+    commands = {
+        "srun": srun,
+        "scontrol": scontrol,
+        "ray": ray,
+        "hostname": hostname,
+        "ip": ip,
+        "nvidia-smi": nvidia_smi,
+    }
+    sys.exit(commands[prog](sys.argv[1:]))
