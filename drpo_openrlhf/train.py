@@ -52,10 +52,6 @@ REJECTED_FLAGS = {
     "--actor.entropy_coef": "DRPO has no entropy bonus (as in the paper); drop it",
     "--algo.kl.use_loss": "DRPO's KL term is its trust region (--drpo.delta/--drpo.beta0)",
     "--train.max_epochs": "DRPO takes one pass over each rollout (Algorithm 1); drop it",
-    "--train.dynamic_batch_enable": (
-        "dynamic batching scatters prompt groups over ranks and is not supported yet; use "
-        "fixed --train.micro_batch_size (with --ds.packing_samples to avoid padding)"
-    ),
     "--train.async_enable": "asynchronous training uses another trainer; drop it for DRPO",
     "--ds.ring_attn_size": "ring attention is not supported by the DRPO actor yet",
     "--ds.tensor_parallel_size": "DeepSpeed tensor parallelism is not supported by DRPO yet",
@@ -219,6 +215,7 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> DRPOC
         train_batch_size=getattr(args, "train.batch_size"),
         micro_batch_size=getattr(args, "train.micro_batch_size"),
         rollout_micro_batch_size=getattr(args, "rollout.micro_batch_size"),
+        dynamic_batching=getattr(args, "train.dynamic_batch_enable"),
     ).check()
     return drpo_config(args)
 

@@ -19,11 +19,25 @@ class Case:
     micro_batch_size: int
     packing: bool = False
     kl_estimate: str = "minibatch"
+    dynamic: bool = False  # dynamic batching: groups scattered over ranks, token budgets
+    short: int = 0  # responses missing at the end of the last rank (an episode's last rollout)
 
     @property
     def name(self) -> str:
         packed = "packed" if self.packing else "padded"
-        return f"zero{self.zero_stage}-micro{self.micro_batch_size}-{packed}-{self.kl_estimate}"
+        batching = "dynamic" if self.dynamic else f"micro{self.micro_batch_size}"
+        return f"zero{self.zero_stage}-{batching}-{packed}-{self.kl_estimate}-short{self.short}"
+
+
+def rank_slice(case: Case, rank: int, world: int) -> torch.Tensor:
+    """The rollout positions a rank receives."""
+    per_rank = PROMPTS * N // world
+    # OpenRLHF hands out contiguous slices; under dynamic batching it deals responses out
+    # by length, so a group's responses land on different ranks: interleave to mimic that
+    if case.dynamic:
+        return torch.arange(rank, PROMPTS * N, world)
+    local = torch.arange(rank * per_rank, (rank + 1) * per_rank)
+    return local[: len(local) - case.short] if rank == world - 1 else local
 
 
 def tiny_model():
@@ -117,6 +131,8 @@ def openrlhf_args(case: Case, world: int):
     ]
     if case.packing:
         flags.append("--ds.packing_samples")
+    if case.dynamic:
+        flags += ["--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "40"]
     return actor_setup.openrlhf_args(flags)
 
 
@@ -135,9 +151,8 @@ def run_rank(rank: int, world: int, port: int, cases: list[Case], out_dir: str) 
 
     data = rollout()
     old = old_log_probs(data)
-    per_rank = PROMPTS * N // world
-    local = slice(rank * per_rank, (rank + 1) * per_rank)
     for case in cases:
+        local = rank_slice(case, rank, world)
         strategy = actor_setup.setup_strategy(openrlhf_args(case, world), "fp32")
         actor, optim, scheduler = actor_setup.prepare_actor(strategy, tiny_model())
         trainer = actor_setup.ppo_trainer(strategy, actor, optim, scheduler)
@@ -172,16 +187,31 @@ def reference_weights(case: Case, world: int) -> tuple[list[torch.Tensor], list[
         actor.parameters(), lr=LR, betas=(0.9, 0.999), eps=1.0, weight_decay=0
     )
     layout = Layout(world, N, PROMPTS, TRAIN_BATCH, case.micro_batch_size)
-    per_rank = PROMPTS * N // world
-    plans = [
-        plan_optimizer_steps(data["group"][r * per_rank : (r + 1) * per_rank].tolist(), N, layout)
-        for r in range(world)
-    ]
+    if case.dynamic:  # steps of whole groups in id order; micro-steps do not matter here
+        groups_per_step = TRAIN_BATCH // N
+        steps = [
+            [torch.nonzero((data["group"] // groups_per_step) == k).flatten()]
+            for k in range(PROMPTS // groups_per_step)
+        ]
+    else:
+        slices = [rank_slice(case, r, world) for r in range(world)]
+        plans = [
+            plan_optimizer_steps(
+                data["group"][sl].tolist(), N, layout, allow_partial=case.short > 0
+            )
+            for sl in slices
+        ]
+        steps = [
+            [
+                torch.tensor([int(slices[r][i]) for r in range(world) for i in plans[r][k][j]])
+                for j in range(layout.micro_steps)
+            ]
+            for k in range(min(len(p) for p in plans))
+        ]
     losses = []
-    for k in range(len(plans[0])):
+    for step in steps:
         parts = []
-        for j in range(layout.micro_steps):
-            idx = torch.tensor([r * per_rank + i for r in range(world) for i in plans[r][k][j]])
+        for j, idx in enumerate(step):
             log_probs = actor(
                 data["sequences"][idx],
                 data["action_mask"][idx],

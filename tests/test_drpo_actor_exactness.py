@@ -1,17 +1,33 @@
 """The real DRPO update inside OpenRLHF's actor (DeepSpeed, gloo ranks) equals a one-piece,
-single-process reference: same weights after two optimizer steps, for ZeRO 0/2/3, several
-micro-batch sizes, packed and padded samples, one and two data-parallel ranks."""
+single-process reference: same weights after the rollout's optimizer steps, for ZeRO 0/2/3,
+several micro-batch sizes, packed and padded samples, dynamic batching with groups spread over
+ranks, a short last rollout, one and two data-parallel ranks."""
 
 import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from drpo_actor_harness import Case, reference_weights, run_rank, tiny_model
+from drpo_actor_harness import (
+    PROMPTS,
+    TRAIN_BATCH,
+    Case,
+    N,
+    reference_weights,
+    run_rank,
+    tiny_model,
+)
 
 CASES = {
     1: [Case(0, 1), Case(2, 4), Case(3, 16), Case(2, 2, packing=True)],
-    2: [Case(2, 1), Case(3, 2), Case(3, 8, packing=True), Case(2, 4, kl_estimate="microstep")],
+    2: [
+        Case(2, 1),
+        Case(3, 2),
+        Case(3, 8, packing=True),
+        Case(2, 4, kl_estimate="microstep"),
+        Case(3, 1, packing=True, dynamic=True),
+        Case(2, 2, short=6),
+    ],
 }
 
 
@@ -44,4 +60,6 @@ def test_drpo_update_matches_one_piece_reference(distributed_results, world, cas
     error = max((e - g).abs().max().item() for e, g in zip(expected, got["weights"], strict=True))
     assert update > 1e-2  # the two steps really moved the weights...
     assert error < 1e-5 * update / 1e-2  # ...and both paths moved them identically
+    trained = len(losses) * TRAIN_BATCH
+    assert got["status"]["drpo/dropped_responses"] == PROMPTS * N - case.short - trained
     assert got["status"]["policy_loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-4)

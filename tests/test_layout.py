@@ -1,6 +1,11 @@
 import pytest
 
-from drpo_openrlhf.integration.layout import Layout, LayoutError, plan_optimizer_steps
+from drpo_openrlhf.integration.layout import (
+    Layout,
+    LayoutError,
+    assign_group_steps,
+    plan_optimizer_steps,
+)
 
 
 def paper_layout(**overrides) -> Layout:
@@ -40,7 +45,7 @@ def test_layouts_that_would_break_groups_are_rejected(overrides, message):
 def test_plan_keeps_groups_whole_per_step_and_orders_by_group():
     layout = Layout(1, 2, 3, 4, 2)  # 3 prompts x 2, steps of 4 responses, micro 2
     group_ids = [7, 7, 3, 3, 5, 5]
-    with pytest.raises(LayoutError, match="not a multiple of the 4"):
+    with pytest.raises(LayoutError, match="do not fill whole optimizer steps of 4"):
         plan_optimizer_steps(group_ids, 2, layout)
     layout = Layout(1, 2, 4, 4, 2)
     plan = plan_optimizer_steps([7, 3, 7, 3, 5, 9, 5, 9], 2, layout)
@@ -50,3 +55,25 @@ def test_plan_keeps_groups_whole_per_step_and_orders_by_group():
 def test_plan_rejects_groups_split_across_ranks():
     with pytest.raises(LayoutError, match="prompt group 4 has 1 responses"):
         plan_optimizer_steps([3, 3, 4], 2, Layout(1, 2, 2, 4, 2))
+
+
+def test_a_short_rollout_leaves_out_incomplete_groups_and_steps_only_when_allowed():
+    layout = Layout(1, 2, 4, 4, 2)
+    ids = [1, 1, 2, 2, 3, 3, 4]  # group 4 lost a response, group 3 would start a third step
+    with pytest.raises(LayoutError, match="prompt group 4 has 1 responses"):
+        plan_optimizer_steps(ids, 2, layout)
+    assert plan_optimizer_steps(ids, 2, layout, allow_partial=True) == [[[0, 1], [2, 3]]]
+
+
+def test_dynamic_steps_take_whole_groups_in_id_order_across_ranks():
+    everyone = [9, 2, 5, 2, 7, 9, 5, 7]  # four groups of 2 spread over ranks
+    assert assign_group_steps(everyone, 2, 2) == {2: 0, 5: 0, 7: 1, 9: 1}
+    with pytest.raises(LayoutError, match="do not fill whole optimizer steps of 6"):
+        assign_group_steps(everyone, 2, 3)
+    assert assign_group_steps([*everyone, 11], 2, 2, allow_partial=True) == {2: 0, 5: 0, 7: 1, 9: 1}
+
+
+def test_dynamic_layout_needs_only_whole_groups_per_step():
+    paper_layout(world_size=64, micro_batch_size=3, dynamic_batching=True).check()
+    with pytest.raises(LayoutError, match="multiple of n_samples_per_prompt"):
+        paper_layout(train_batch_size=252, dynamic_batching=True).check()

@@ -91,7 +91,6 @@ def test_drpo_options_reach_the_config():
     [
         (["--actor.eps_clip", "0.3"], "no ratio clipping"),
         (["--train.max_epochs", "2"], "one pass over each rollout"),
-        (["--train.dynamic_batch_enable"], "dynamic batching"),
         (["--critic.model_name_or_path", "x"], "no critic"),
         (["--algo.advantage.estimator", "gae"], "needs a critic"),
         (["--algo.kl.use_loss"], "trust region"),
@@ -106,6 +105,14 @@ def test_incompatible_or_invalid_flags_are_usage_errors(extra, message, capsys):
         train.parse([*BASE, *extra])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_dynamic_batching_relaxes_the_per_rank_layout():
+    argv = [*BASE, "--actor.num_gpus_per_node", "64", "--train.dynamic_batch_enable"]
+    with pytest.raises(SystemExit):
+        train.parse([*BASE, "--actor.num_gpus_per_node", "64"])
+    _, _, openrlhf_argv = train.parse(argv)
+    assert "--train.dynamic_batch_enable" in openrlhf_argv
 
 
 def test_flags_at_their_openrlhf_default_are_accepted():

@@ -15,12 +15,19 @@ Each optimizer step takes whole prompt groups (``layout.plan_optimizer_steps``) 
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from openrlhf.trainer.ppo_utils.experience import make_experience_batch
 from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
+from openrlhf.utils.seqlen_balancing import (
+    get_minimum_num_micro_batch_size,
+    get_seqlen_balanced_partitions,
+)
 from torch import Tensor
 
 from drpo_openrlhf.algo import (
@@ -31,8 +38,14 @@ from drpo_openrlhf.algo import (
     surrogate_loss,
 )
 from drpo_openrlhf.algo.learning_signal import signal_diagnostics
-from drpo_openrlhf.integration.layout import Layout, LayoutError, plan_optimizer_steps
+from drpo_openrlhf.integration.layout import (
+    Layout,
+    LayoutError,
+    assign_group_steps,
+    plan_optimizer_steps,
+)
 
+logger = logging.getLogger(__name__)
 GROUP_KEY = "drpo_group"  # experience.info key carrying each response's prompt-group id
 
 
@@ -48,8 +61,11 @@ def correctness(scores: Tensor) -> Tensor:
     return scores == 1
 
 
-def all_gather_scalars(local: ResponseScalars) -> ResponseScalars:
-    """Concatenate every rank's scalars in rank order (equal counts on all ranks)."""
+def all_gather_scalars(local: ResponseScalars) -> tuple[ResponseScalars, int]:
+    """Every rank's scalars, concatenated in rank order, and where this rank's start.
+
+    Ranks may hold different numbers of responses (dynamic batching): counts are exchanged
+    first and the columns padded to the largest count for the collective."""
     columns = torch.stack(
         [
             local.score.double(),
@@ -60,10 +76,18 @@ def all_gather_scalars(local: ResponseScalars) -> ResponseScalars:
             local.microstep.double(),
         ]
     )
-    parts = [torch.empty_like(columns) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, columns)
-    s, kl, tokens, correct, group, micro = torch.cat(parts, dim=1)
-    return ResponseScalars(s, kl, tokens, correct.bool(), group.long(), micro.long())
+    world = dist.get_world_size()
+    count = torch.tensor([columns.shape[1]], device=columns.device)
+    counts = [torch.empty_like(count) for _ in range(world)]
+    dist.all_gather(counts, count)
+    counts = [int(c) for c in counts]
+    padded = F.pad(columns, (0, max(counts) - columns.shape[1]))
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded)
+    merged = torch.cat([p[:, :c] for p, c in zip(parts, counts, strict=True)], dim=1)
+    s, kl, tokens, correct, group, micro = merged
+    gathered = ResponseScalars(s, kl, tokens, correct.bool(), group.long(), micro.long())
+    return gathered, sum(counts[: dist.get_rank()])
 
 
 class DRPOActorTrainer(ActorPPOTrainer):
@@ -85,8 +109,11 @@ class DRPOActorTrainer(ActorPPOTrainer):
             train_batch_size=args.train.batch_size,
             micro_batch_size=self.micro_train_batch_size,
             rollout_micro_batch_size=args.rollout.micro_batch_size,
+            dynamic_batching=args.train.dynamic_batch_enable,
         )
         self.drpo_layout.check()
+        if self.drpo_layout.dynamic_batching:
+            return
         if self.drpo_layout.micro_steps != self.strategy.accumulated_gradient:
             raise LayoutError(
                 f"DeepSpeed accumulates {self.strategy.accumulated_gradient} micro-batches per "
@@ -96,14 +123,72 @@ class DRPOActorTrainer(ActorPPOTrainer):
     def ppo_train(self, kl_ctl: float) -> dict[str, float]:
         items = self.replay_buffer.items
         group_ids = [int(item.info[GROUP_KEY]) for item in items]
-        plan = plan_optimizer_steps(
-            group_ids, self.drpo_layout.n_samples_per_prompt, self.drpo_layout
+        # Only the short last rollout of an episode may leave groups out (OpenRLHF does not
+        # align its chunks to groups then); a full rollout that does not fit is an error.
+        total = self._all_reduce(len(items), dist.ReduceOp.SUM)
+        partial = (
+            total < self.drpo_layout.rollout_batch_size * self.drpo_layout.n_samples_per_prompt
         )
+        if self.drpo_layout.dynamic_batching:
+            plan = self._plan_dynamic(items, group_ids, partial)
+        else:
+            plan = plan_optimizer_steps(
+                group_ids,
+                self.drpo_layout.n_samples_per_prompt,
+                self.drpo_layout,
+                allow_partial=partial,
+            )
+            plan = plan[: self._all_reduce(len(plan), dist.ReduceOp.MIN)]
+        planned = sum(len(mb) for step in plan for mb in step)
+        dropped = self._all_reduce(len(items) - planned, dist.ReduceOp.SUM)
+        if dropped:
+            logger.warning(
+                "DRPO: the last rollout of the episode is short; %d of its %d responses do not "
+                "form whole prompt groups of whole optimizer steps and are not trained on",
+                dropped,
+                total,
+            )
         step_metrics = []
         for k, step in enumerate(plan):
-            batches = [self.replay_buffer.collate_fn([items[i] for i in mb]) for mb in step]
+            batches = [make_experience_batch([items[i] for i in mb]) for mb in step]
             step_metrics.append(self._drpo_optimizer_step(batches, policy_is_old=k == 0))
-        return _mean_metrics(step_metrics)
+        return {**_mean_metrics(step_metrics), "drpo/dropped_responses": float(dropped)}
+
+    def _all_reduce(self, value: int, op) -> int:
+        tensor = torch.tensor([value], device=self._device())
+        dist.all_reduce(tensor, op=op)
+        return int(tensor)
+
+    def _plan_dynamic(
+        self, items: list, group_ids: list[int], partial: bool
+    ) -> list[list[list[int]]]:
+        """Dynamic batching: steps of whole groups over all ranks, each rank's share cut into
+        token-balanced micro-batches, the same number on every rank (ZeRO's collectives
+        need equal forward counts)."""
+        layout = self.drpo_layout
+        everyone: list[list[int]] = [[] for _ in range(dist.get_world_size())]
+        dist.all_gather_object(everyone, group_ids)
+        step_of = assign_group_steps(
+            [g for ids in everyone for g in ids],
+            layout.n_samples_per_prompt,
+            layout.train_batch_size // layout.n_samples_per_prompt,
+            allow_partial=partial,
+        )
+        lengths = [int(item.attention_mask.sum()) for item in items]
+        max_tokens = self.args.train.max_tokens_per_gpu
+        plan = []
+        for k in range(len(set(step_of.values()))):
+            mine = [i for i, g in enumerate(group_ids) if step_of.get(g) == k]
+            needed = get_minimum_num_micro_batch_size([lengths[i] for i in mine], max_tokens, 1, 1)
+            count = self._all_reduce(needed, dist.ReduceOp.MAX)
+            if len(mine) < count:
+                raise LayoutError(
+                    f"optimizer step {k} gives this rank {len(mine)} responses but the ranks "
+                    f"need {count} micro-batches: raise --train.max_tokens_per_gpu"
+                )
+            parts = get_seqlen_balanced_partitions([lengths[i] for i in mine], count, False)
+            plan.append([[mine[j] for j in part] for part in parts])
+        return plan
 
     def _device(self) -> torch.device:
         return next(self.actor.model.parameters()).device
@@ -139,11 +224,11 @@ class DRPOActorTrainer(ActorPPOTrainer):
             local = ResponseScalars.concat(
                 [self._scalars(b, j, use_old=policy_is_old) for j, b in enumerate(batches)]
             )
-        gathered = all_gather_scalars(local)
+        gathered, offset = all_gather_scalars(local)
         score_coef, kl_coef, metrics = loss_coefficients(gathered, self.drpo, self.drpo_max_len)
-        world, rank = dist.get_world_size(), dist.get_rank()
-        offset = rank * local.score.numel()
-        scale = len(batches) * world  # undo DeepSpeed's 1/GAS and the data-parallel mean
+        dynamic = self.drpo_layout.dynamic_batching
+        # undo DeepSpeed's 1/GAS (GAS is 1 under dynamic batching) and data-parallel mean
+        scale = (1 if dynamic else len(batches)) * dist.get_world_size()
         for j, batch in enumerate(batches):
             r = self._scalars(batch, j, use_old=False)
             end = offset + r.score.numel()
@@ -151,7 +236,8 @@ class DRPOActorTrainer(ActorPPOTrainer):
                 r.score, r.kl_sum, score_coef[offset:end].to(device), kl_coef[offset:end].to(device)
             )
             self.strategy.backward(loss * scale, self.actor, self.actor_optim)
-            self.strategy.optimizer_step(self.actor_optim, self.actor, self.actor_scheduler)
+            if not dynamic or j == len(batches) - 1:  # otherwise DeepSpeed finds the boundary
+                self.strategy.optimizer_step(self.actor_optim, self.actor, self.actor_scheduler)
             offset = end
         elapsed = time.perf_counter() - start
 

@@ -29,6 +29,7 @@ class Layout:
     train_batch_size: int  # responses per optimizer step, all ranks together
     micro_batch_size: int  # responses per micro-batch on one rank
     rollout_micro_batch_size: int = 1  # responses per experience batch OpenRLHF hands out
+    dynamic_batching: bool = False  # micro-batches by token budget; groups may span ranks
 
     @property
     def samples_per_step(self) -> int:
@@ -48,6 +49,9 @@ class Layout:
             raise LayoutError(
                 "DRPO compares the responses of a prompt: set --rollout.n_samples_per_prompt >= 2"
             )
+        if self.dynamic_batching:
+            self._check_dynamic(rollout)
+            return
         if self.rollout_batch_size % world:
             raise LayoutError(
                 f"--rollout.batch_size ({self.rollout_batch_size} prompts) must be a multiple of "
@@ -78,35 +82,88 @@ class Layout:
                 "(--train.batch_size / actor ranks)"
             )
 
+    def _check_dynamic(self, rollout: int) -> None:
+        n = self.n_samples_per_prompt
+        if self.train_batch_size % n:
+            raise LayoutError(
+                f"--train.batch_size ({self.train_batch_size}) must be a multiple of "
+                f"n_samples_per_prompt ({n}), so that optimizer steps hold whole prompt groups"
+            )
+        if rollout % self.train_batch_size:
+            raise LayoutError(
+                f"--train.batch_size ({self.train_batch_size}) must divide the rollout's "
+                f"{rollout} responses; otherwise the last prompts would be dropped"
+            )
+
+
+def _whole_groups(
+    group_ids: Sequence[int], n_samples_per_prompt: int, where: str, allow_partial: bool
+) -> list[int]:
+    """Ids of the groups with all ``n`` responses, in id order.
+
+    An incomplete group is an error, unless ``allow_partial`` (the short last rollout of an
+    episode, whose chunking OpenRLHF does not align to groups): then it is left out."""
+    counts = Counter(group_ids)
+    broken = {g: c for g, c in counts.items() if c != n_samples_per_prompt}
+    if broken and not allow_partial:
+        g, c = next(iter(broken.items()))
+        raise LayoutError(
+            f"prompt group {g} has {c} responses {where} instead of "
+            f"n_samples_per_prompt={n_samples_per_prompt}: groups were split or filtered"
+        )
+    return sorted(g for g in counts if g not in broken)
+
+
+def _check_fill(kept: int, per_step: int, where: str, allow_partial: bool) -> None:
+    if kept % per_step and not allow_partial:
+        raise LayoutError(
+            f"{kept} responses {where} do not fill whole optimizer steps of {per_step}"
+        )
+
+
+def assign_group_steps(
+    group_ids: Sequence[int],
+    n_samples_per_prompt: int,
+    groups_per_step: int,
+    *,
+    allow_partial: bool = False,
+) -> dict[int, int]:
+    """Optimizer step of every prompt group of a rollout (all ranks' ids): groups in id
+    order, ``groups_per_step`` at a time. Used with dynamic batching, where OpenRLHF spreads a
+    group's responses over ranks; only their scalars need to meet, so that is harmless.
+    With ``allow_partial``, incomplete groups and the groups beyond the last whole step are
+    left out of the mapping (their responses are not trained on)."""
+    groups = _whole_groups(group_ids, n_samples_per_prompt, "in the rollout", allow_partial)
+    n = n_samples_per_prompt
+    _check_fill(len(groups) * n, groups_per_step * n, "in the rollout", allow_partial)
+    usable = len(groups) - len(groups) % groups_per_step
+    return {g: k // groups_per_step for k, g in enumerate(groups[:usable])}
+
 
 def plan_optimizer_steps(
-    group_ids: Sequence[int], n_samples_per_prompt: int, layout: Layout
+    group_ids: Sequence[int],
+    n_samples_per_prompt: int,
+    layout: Layout,
+    *,
+    allow_partial: bool = False,
 ) -> list[list[list[int]]]:
     """Plan one rank's replay buffer: ``steps[k][j]`` lists the items of micro-batch ``j`` of
     optimizer step ``k``.
 
     Items are ordered by prompt group (stable), so each step holds whole groups. Raises
     ``LayoutError`` if a group is incomplete on this rank or the items do not fill a whole
-    number of steps: both would silently change the objective.
+    number of steps: both would silently change the objective. With ``allow_partial`` such
+    items are left out of the plan instead (the caller reports them).
     """
-    counts = Counter(group_ids)
-    broken = {g: c for g, c in counts.items() if c != n_samples_per_prompt}
-    if broken:
-        g, c = next(iter(broken.items()))
-        raise LayoutError(
-            f"prompt group {g} has {c} responses on this rank instead of "
-            f"n_samples_per_prompt={n_samples_per_prompt}: groups were split across ranks or "
-            "filtered (dynamic batching and partial groups are not supported by DRPO)"
-        )
+    keep = set(_whole_groups(group_ids, n_samples_per_prompt, "on this rank", allow_partial))
+    order = sorted(
+        (i for i in range(len(group_ids)) if group_ids[i] in keep),
+        key=lambda i: (group_ids[i], i),
+    )
     per_step = layout.samples_per_step
-    if len(group_ids) % per_step:
-        raise LayoutError(
-            f"this rank holds {len(group_ids)} responses, not a multiple of the {per_step} "
-            "it trains on per optimizer step"
-        )
-    order = sorted(range(len(group_ids)), key=lambda i: (group_ids[i], i))
+    _check_fill(len(order), per_step, "on this rank", allow_partial)
     micro = layout.micro_batch_size
     return [
         [order[s + m : s + m + micro] for m in range(0, per_step, micro)]
-        for s in range(0, len(order), per_step)
+        for s in range(0, len(order) - per_step + 1, per_step)
     ]
