@@ -22,7 +22,18 @@ from drpo_openrlhf.algo.shaping import METHODS
 from drpo_openrlhf.integration.layout import Layout
 from drpo_openrlhf.openrlhf_cli import openrlhf_parser
 
-MATH_REWARD = Path(__file__).resolve().parent / "rewards" / "math_reward.py"
+
+def reward_plugin_path(name: str = "math_reward.py") -> str:
+    """A reward file of ours as the vLLM engines on every node will find it (they load it by
+    path): relative to the working directory inside a Ray ``working_dir`` copy, whose absolute
+    path differs from node to node; absolute otherwise (same install path on every node)."""
+    path = Path(__file__).resolve().parent / "rewards" / name
+    if "working_dir_files" in path.parts and path.is_relative_to(Path.cwd().resolve()):
+        return str(path.relative_to(Path.cwd().resolve()))
+    return str(path)
+
+
+MATH_REWARD = reward_plugin_path()
 
 # OpenRLHF flags whose PPO defaults do not fit DRPO; applied unless the user passes them.
 DRPO_DEFAULTS: dict[str, list[str]] = {
@@ -31,7 +42,7 @@ DRPO_DEFAULTS: dict[str, list[str]] = {
     # the estimator only feeds PPO's advantages, which DRPO ignores; gae would need a critic
     "--algo.advantage.estimator": ["group_norm"],
     # 0/1 correctness from math-verify, with a deadline per response
-    "--reward.remote_url": [str(MATH_REWARD)],
+    "--reward.remote_url": [MATH_REWARD],
     # the authors' optimiser: AdamW (0.9, 0.999), weight decay 0.01, constant LR, no warmup
     "--actor.adam.betas": ["0.9", "0.999"],
     "--actor.adam.weight_decay": ["0.01"],
@@ -129,6 +140,13 @@ def add_drpo_arguments(parser: argparse.ArgumentParser) -> None:
         help="zero-mean length signal w_hat - 1/|S+| on all-correct prompts",
     )
     g.add_argument(
+        "--drpo.max_steps",
+        type=int,
+        default=None,
+        help="stop after this many rollout steps, then save the final model as usual "
+        "(OpenRLHF 0.11.2 only counts episodes); applies to baselines too",
+    )
+    g.add_argument(
         "--drpo.lambda_by_pass_rate",
         action="store_true",
         help="per-prompt lambda / pass_rate (gentler length pressure on hard prompts)",
@@ -186,7 +204,7 @@ def baseline_defaults(method: str) -> dict[str, list[str]]:
     """The paper's estimator for each baseline (RLOO for RLOO-LP, GRPO otherwise) and the
     math reward; everything else stays OpenRLHF's (set clip, KL, ... per the paper's recipes)."""
     estimator = "rloo" if method == "rloo_lp" else "group_norm"
-    return {"--algo.advantage.estimator": [estimator], "--reward.remote_url": [str(MATH_REWARD)]}
+    return {"--algo.advantage.estimator": [estimator], "--reward.remote_url": [MATH_REWARD]}
 
 
 def with_defaults(argv: list[str], defaults: dict[str, list[str]]) -> list[str]:
@@ -221,32 +239,36 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> DRPOC
 
 
 def parse(argv: list[str]) -> tuple[DRPOConfig, SimpleNamespace, list[str]]:
-    """DRPO config, baseline shaping and the OpenRLHF argv (defaults applied) of a command.
+    """DRPO config, run options (baseline shaping, step limit) and the OpenRLHF argv
+    (defaults applied) of a command line.
 
     Exits with a usage error for unknown, invalid or DRPO-incompatible flags."""
     parser = build_parser()
     method = parser.parse_known_args(argv)[0].__dict__["shaping.method"]
     defaults = baseline_defaults(method) if method else DRPO_DEFAULTS
     args = parser.parse_args(with_defaults(argv, defaults))
-    shaping = SimpleNamespace(method=method, params=getattr(args, "shaping.params"))
+    max_steps = getattr(args, "drpo.max_steps")
+    if max_steps is not None and max_steps < 1:
+        parser.error(f"--drpo.max_steps must be >= 1, got {max_steps}")
+    run = SimpleNamespace(
+        method=method, params=getattr(args, "shaping.params"), max_steps=max_steps
+    )
     try:
         if method:  # PPO on shaped rewards: OpenRLHF validates its own flags
-            GroupRewardShaper(
-                method, getattr(args, "rollout.n_samples_per_prompt"), **shaping.params
-            )
+            GroupRewardShaper(method, getattr(args, "rollout.n_samples_per_prompt"), **run.params)
             config = drpo_config(args)
         else:
             config = validate(args, parser)
     except ValueError as error:  # LayoutError included
         parser.error(str(error))
-    return config, shaping, with_defaults(openrlhf_args_of(argv), defaults)
+    return config, run, with_defaults(openrlhf_args_of(argv), defaults)
 
 
 def main(argv: list[str] | None = None) -> None:
-    config, shaping, openrlhf_argv = parse(list(sys.argv[1:] if argv is None else argv))
+    config, run, openrlhf_argv = parse(list(sys.argv[1:] if argv is None else argv))
     from drpo_openrlhf.integration.launch import run_openrlhf
 
-    run_openrlhf(openrlhf_argv, config, shaping)
+    run_openrlhf(openrlhf_argv, config, run)
 
 
 if __name__ == "__main__":

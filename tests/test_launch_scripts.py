@@ -2,13 +2,12 @@
 
 The stand-ins in tests/fakeslurm/ record every srun, scontrol, ray and ip call; the tests
 assert the exact Ray start, wait and job-submit commands, and check the training command
-against OpenRLHF 0.11.2's own argument parser. Nothing real is started.
+against the option strings of OpenRLHF 0.11.2's parser and the entry point's own parser and
+validation (drpo_openrlhf.train.parse). Nothing real is started.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import functools
 import importlib.util
 import json
@@ -18,12 +17,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from drpo_openrlhf.train import build_parser, parse
 
 REPO = Path(__file__).resolve().parents[1]
 FAKE_BIN = REPO / "tests" / "fakeslurm"
@@ -36,48 +36,29 @@ RECIPES = {
 }
 SCRIPTS = [REPO / "slurm" / f"drpo_{size}.sh" for size in RECIPES] + [LAUNCHER, LOCAL]
 EVAL_SETS = ("aime2024", "aime2025", "amc", "math500")
-DEEPSCALER_PROMPTS = 40315
-DRPO_DEFAULTS = [
-    "--drpo.lam", "0.1", "--drpo.tau", "10", "--drpo.delta", "1e-4", "--drpo.beta0", "1e3",
-    "--drpo.length_reward", "linear",
-]  # fmt: skip
-# The DRPO entry point's own flags (the interface drpo_openrlhf.train implements).
-DRPO_FLAGS = {
-    "--drpo.lam", "--drpo.tau", "--drpo.delta", "--drpo.beta0", "--drpo.length_reward",
-    "--drpo.max_len", "--shaping.method", "--shaping.params",
-}  # fmt: skip
-HEAD_IP, WORKER_IP = "192.168.0.1", "192.168.0.2"  # what the fake `hostname` resolves to
-
-
-# ---------------------------------------------------------------------------------------------
-# OpenRLHF's parser, read from the installed source (it lives under `if __name__ == "__main__"`).
-# ---------------------------------------------------------------------------------------------
-def _openrlhf_cli_source() -> str:
-    spec = importlib.util.find_spec("openrlhf")
-    assert spec is not None and spec.submodule_search_locations, "openrlhf is not installed"
-    path = Path(spec.submodule_search_locations[0]) / "cli" / "train_ppo_ray.py"
-    return path.read_text()
+DEEPSCALER_PROMPTS = 40315  # 314 whole rollouts of 128 prompts, and 123 left over
+HEAD_IP = "192.168.0.1"  # what the fake `hostname --ip-address` gives the first node
 
 
 @functools.cache
 def openrlhf_option_strings() -> frozenset[str]:
-    found = re.findall(r'add_argument\(\s*(f?)"(--[^"]+)"', _openrlhf_cli_source())
+    """Option strings of ``add_argument("--...")`` calls in OpenRLHF's train_ppo_ray.py (its
+    parser lives under ``if __name__ == "__main__"``, so it is read as text)."""
+    spec = importlib.util.find_spec("openrlhf")
+    assert spec is not None and spec.submodule_search_locations, "openrlhf is not installed"
+    source = (Path(spec.submodule_search_locations[0]) / "cli" / "train_ppo_ray.py").read_text()
     options = set()
-    for is_f, name in found:
-        names = [name.format(prefix=p) for p in ("actor", "critic")] if is_f else [name]
-        options.update(names)
-    assert len(options) > 100, f"parsed only {len(options)} OpenRLHF options"
+    for is_f, name in re.findall(r'add_argument\(\s*(f?)"(--[^"]+)"', source):
+        options.update({name.format(prefix=p) for p in ("actor", "critic")} if is_f else {name})
+    assert len(options) > 100, f"found only {len(options)} OpenRLHF options"
     return frozenset(options)
 
 
 @functools.cache
-def openrlhf_parser() -> argparse.ArgumentParser:
-    src = _openrlhf_cli_source()
-    start = src.index("    parser = argparse.ArgumentParser()")
-    end = src.index("    args = parser.parse_args()")
-    scope = {"argparse": argparse, "datetime": datetime.datetime}
-    exec(textwrap.dedent(src[start:end]), scope)
-    return scope["parser"]
+def entry_point_option_strings() -> frozenset[str]:
+    """The ``--drpo.*`` / ``--shaping.*`` options drpo_openrlhf.train adds to OpenRLHF's."""
+    options = {s for action in build_parser()._actions for s in action.option_strings}
+    return frozenset(options - openrlhf_option_strings() - {"-h", "--help"})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,8 +95,9 @@ class Run:
         argv = self.submit
         return json.loads(argv[argv.index("--runtime-env-json") + 1])
 
-    def parsed(self) -> tuple[argparse.Namespace, list[str]]:
-        return openrlhf_parser().parse_known_args(self.train_args)
+    def args(self) -> dict:
+        """The training command as drpo_openrlhf.train parses it (flag name -> value)."""
+        return vars(build_parser().parse_args(self.train_args))
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +131,7 @@ class Harness:
             "DATA_DIR": str(self.data_dir),
             "OUTPUT_ROOT": str(self.tmp / "out"),
             "RAY_POLL_INTERVAL": "0.05",
+            "PREFLIGHT": "0",  # the entry point's check costs 2 s; the tests that need it ask
             "RAY_WAIT_TIMEOUT": "20",
             "TEARDOWN_TIMEOUT": "10",
         }
@@ -252,10 +235,18 @@ def test_scripts_are_executable(script: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 # The Slurm recipes
 # ---------------------------------------------------------------------------------------------
+def assert_flags_known(run: Run) -> None:
+    """Every flag is one OpenRLHF's parser defines or one the DRPO entry point adds, and the
+    entry point accepts the whole command (types, choices, PPO-only flags, group layout)."""
+    known = openrlhf_option_strings() | entry_point_option_strings()
+    assert [a for a in run.train_args if a.startswith("--") and a not in known] == []
+    parse(run.train_args)  # exits with a usage error on anything it refuses
+
+
 @pytest.mark.parametrize("size", RECIPES)
 def test_recipe_on_two_nodes(harness: Harness, size: str) -> None:
     spec = RECIPES[size]
-    run = harness.run(recipe(size))
+    run = harness.run(recipe(size), PREFLIGHT="1" if size == "1.5b" else "0")
     assert run.returncode == 0, run.output
 
     assert [c["argv"] for c in run.of("scontrol")] == [["show", "hostnames", "gpu[1-2]"]]
@@ -275,7 +266,7 @@ def test_recipe_on_two_nodes(harness: Harness, size: str) -> None:
     assert worker["argv"] == ["start", f"--address={HEAD_IP}:6379", "--num-gpus=8",
                               "--num-cpus=64", "--disable-usage-stats", "--block"]  # fmt: skip
 
-    # Wait for the head's GPUs before starting workers, for all 16 before submitting.
+    # Workers start once the head's GPUs registered; the job once all 16 did.
     polls = run.of("ray", "status")
     assert polls and all(c["argv"] == ["status", "--address", f"{HEAD_IP}:6379"] for c in polls)
     worker_start = run.index("ray", "start", f"--address={HEAD_IP}:6379")
@@ -285,15 +276,14 @@ def test_recipe_on_two_nodes(harness: Harness, size: str) -> None:
     assert last_poll < run.index("ray", "job", "submit")
     assert "16 GPU(s) registered" in run.output
 
-    submission_id = "drpo-job_drpo_lam0.1-4242-0"
     assert run.submit[:7] == ["job", "submit", "--address", f"http://{HEAD_IP}:8265",
-                              "--submission-id", submission_id, "--runtime-env-json"]  # fmt: skip
+                              "--submission-id", "drpo-job_drpo_lam0.1-4242-0",
+                              "--runtime-env-json"]  # fmt: skip
     env = run.runtime_env
     assert env["working_dir"] == str(REPO)
     assert {".git", ".venv", "outputs"} <= set(env["excludes"])
     assert env["env_vars"]["TOKENIZERS_PARALLELISM"] == "false"
 
-    args, unknown = run.parsed()
     run_dir = harness.tmp / "out" / "drpo-job_drpo_lam0.1"
     expected = {
         "actor.model_name_or_path": spec["model"],
@@ -314,17 +304,19 @@ def test_recipe_on_two_nodes(harness: Harness, size: str) -> None:
         "ds.zero_stage": spec["zero"],
         "ds.param_dtype": "bf16",
         "ds.attn_implementation": "flash_attention_2",
+        "ds.packing_samples": True,
         "rollout.batch_size": 128,
         "rollout.n_samples_per_prompt": 8,
-        "train.batch_size": 256,
+        "train.batch_size": 256,  # mini-batches of 32 prompts x 8 responses
         "train.micro_batch_size": spec["micro"],
-        "train.max_epochs": 1,
         "rollout.max_new_tokens": 8192,
         "data.max_len": 1024 + 8192,
         "rollout.temperature": 0.6,
+        "rollout.top_p": 1.0,
         "algo.kl.init_coef": 0.0,
         "algo.advantage.estimator": "group_norm",
         "data.prompt_dataset": str(harness.data_dir / "deepscaler.jsonl"),
+        "data.max_samples": 314 * 128,  # whole rollouts only
         "data.input_key": "prompt",
         "data.label_key": "label",
         "data.apply_chat_template": True,
@@ -336,49 +328,20 @@ def test_recipe_on_two_nodes(harness: Harness, size: str) -> None:
         "eval.steps": 20,
         "eval.dataset": ",".join(str(harness.data_dir / f"{n}.jsonl") for n in EVAL_SETS),
         "eval.temperature": 0.6,
-        # ceil(40315 / 128) = 315 steps per episode; 4 episodes cover 1000 steps.
-        "train.num_episodes": 4,
+        "train.num_episodes": 4,  # 314 steps per episode: 4 episodes cover 1000 steps
         "logger.wandb.key": None,
+        "drpo.lam": 0.1,
+        "drpo.tau": 10.0,
+        "drpo.delta": 1e-4,
+        "drpo.beta0": 1e3,
+        "drpo.length_reward": "linear",
+        "shaping.method": None,
     }
-    assert {k: getattr(args, k) for k in expected} == expected
-    assert unknown == DRPO_DEFAULTS
+    args = run.args()
+    assert {k: args[k] for k in expected} == expected
     assert_flags_known(run)
     assert_torn_down(run, {"gpu1", "gpu2"})
     assert run.of("ray", "job", "stop") == []  # the job ended by itself
-
-
-def assert_flags_known(run: Run) -> None:
-    """Every flag is OpenRLHF's (names found in its parser's source) or the DRPO entry point's,
-    and every OpenRLHF value parses under its types, choices and nargs."""
-    options = openrlhf_option_strings()
-    flags = [a for a in run.train_args if a.startswith("--")]
-    assert [f for f in flags if f not in options and f not in DRPO_FLAGS] == []
-    _, unknown = run.parsed()
-    assert [u for u in unknown if u.startswith("--") and u not in DRPO_FLAGS] == []
-
-
-@pytest.mark.parametrize(
-    "env",
-    [
-        {"METHOD": "drpo", "DRPO_MAX_LEN": "4096", "LENGTH_REWARD": "cosine"},
-        {"METHOD": "disco", "WANDB_API_KEY": "k", "WANDB_ENTITY": "e", "WANDB_GROUP": "g"},
-        {"METHOD": "hapo", "SHAPING_PARAMS": "w=1.0", "SAVE_HF": "1", "PACKING": "0"},
-        {"METHOD": "rloo_lp", "EVAL_DATA": "", "VLLM_TP": "2"},
-    ],
-    ids=lambda env: env["METHOD"],
-)
-def test_every_flag_exists_in_openrlhf_parser(harness: Harness, env: dict[str, str]) -> None:
-    run = harness.run(recipe("1.5b"), **env)
-    assert run.returncode == 0, run.output
-    assert_flags_known(run)
-
-
-def test_drpo_flags_exist_in_entry_point() -> None:
-    sources = [p.read_text() for p in (REPO / "drpo_openrlhf").rglob("*.py")]
-    defined = {m for s in sources for m in re.findall(r"--(?:drpo|shaping)\.[a-z0-9_]+", s)}
-    if not (REPO / "drpo_openrlhf" / "train.py").exists():
-        pytest.skip("drpo_openrlhf/train.py (the entry point) is not written yet")
-    assert DRPO_FLAGS - defined == set(), "flags the launcher passes but the entry point lacks"
 
 
 def test_env_overrides_and_extra_flags(harness: Harness) -> None:
@@ -404,48 +367,69 @@ def test_env_overrides_and_extra_flags(harness: Harness) -> None:
         EXTRA_ARGS="--rollout.top_p 0.95",
     )
     assert run.returncode == 0, run.output
-    args, unknown = run.parsed()
-    assert vars(args)["actor.model_name_or_path"] == str(model)
-    assert vars(args)["data.prompt_dataset"] == str(train)
-    assert vars(args)["eval.dataset"] is None
-    assert vars(args)["actor.adam.lr"] == 3e-6
-    assert vars(args)["actor.num_gpus_per_node"] == 4
-    assert vars(args)["vllm.num_engines"] == 8
-    assert vars(args)["train.num_episodes"] == 4  # 300 prompts: 3 steps per episode
-    assert vars(args)["ckpt.path"] == str(harness.tmp / "out" / "sweep-a" / "ckpt")
-    assert vars(args)["logger.wandb.org"] == "lab"
-    assert vars(args)["logger.wandb.run_name"] == "sweep-a"
-    assert vars(args)["rollout.top_p"] == 0.95
-    assert vars(args)["train.seed"] == 7
+    args = run.args()
+    assert args["actor.model_name_or_path"] == str(model)
+    assert args["data.prompt_dataset"] == str(train)
+    assert args["eval.dataset"] is None
+    assert args["actor.adam.lr"] == 3e-6
+    assert (args["drpo.lam"], args["drpo.tau"]) == (0.3, 5.0)
+    assert args["actor.num_gpus_per_node"] == 4
+    assert args["vllm.num_engines"] == 8
+    # 300 prompts: the first 256 make 2 whole rollouts; 5 episodes cover 10 steps.
+    assert (args["data.max_samples"], args["train.num_episodes"]) == (256, 5)
+    assert args["ckpt.path"] == str(harness.tmp / "out" / "sweep-a" / "ckpt")
+    assert args["logger.wandb.org"] == "lab"
+    assert args["logger.wandb.run_name"] == "sweep-a"
+    assert (args["rollout.top_p"], args["train.seed"]) == (0.95, 7)  # appended last: they win
     assert run.train_args[-4:] == ["--rollout.top_p", "0.95", "--train.seed", "7"]
-    assert unknown[:4] == ["--drpo.lam", "0.3", "--drpo.tau", "5"]
     assert all("--num-gpus=4" in c["argv"] for c in run.of("ray", "start"))
     # The wandb key reaches the Ray processes through their environment only.
     assert "super-secret" not in json.dumps(run.submit)
-    assert vars(args)["logger.wandb.key"] == "from-environment"
+    assert args["logger.wandb.key"] == "from-environment"
     assert {c["env"].get("WANDB_API_KEY") for c in run.of("ray", "start")} == {"super-secret"}
     assert run.runtime_env["env_vars"]["WANDB_RUN_ID"] == "sweep-a"
+    assert_flags_known(run)
+
+
+DRPO_TAIL = ["--drpo.tau", "10", "--drpo.delta", "1e-4", "--drpo.beta0", "1e3"]
 
 
 @pytest.mark.parametrize(
-    ("method", "params", "estimator", "method_flags", "run_name"),
+    ("env", "estimator", "tail", "run_name"),
     [
-        ("disco", "", "group_norm", ["--drpo.lam", "inf"], "drpo-job_disco"),
-        ("hapo", "w=1.0,c=-0.7", "group_norm",
+        ({"METHOD": "drpo", "LENGTH_REWARD": "cosine", "DRPO_MAX_LEN": "4096"}, "group_norm",
+         ["--drpo.lam", "0.1", *DRPO_TAIL, "--drpo.length_reward", "cosine",
+          "--drpo.max_len", "4096"],
+         "drpo-job_drpo_lam0.1"),
+        ({"METHOD": "disco", "WANDB_API_KEY": "k", "WANDB_ENTITY": "e", "WANDB_GROUP": "g"},
+         "group_norm",
+         ["--drpo.lam", "inf", *DRPO_TAIL, "--drpo.length_reward", "linear"],
+         "drpo-job_disco"),
+        ({"METHOD": "hapo", "SHAPING_PARAMS": "w=1.0,c=-0.7", "SAVE_HF": "1", "PACKING": "0"},
+         "group_norm",
          ["--shaping.method", "hapo", "--shaping.params", "w=1.0,c=-0.7"],
          "drpo-job_hapo_w-1.0-c--0.7"),
-        ("rloo_lp", "", "rloo", ["--shaping.method", "rloo_lp"], "drpo-job_rloo_lp"),
+        ({"METHOD": "rloo_lp", "SHAPING_PARAMS": "alpha=0.2", "EVAL_DATA": "", "VLLM_TP": "2"},
+         "rloo",
+         ["--shaping.method", "rloo_lp", "--shaping.params", "alpha=0.2"],
+         "drpo-job_rloo_lp_alpha-0.2"),
     ],
+    ids=lambda v: v["METHOD"] if isinstance(v, dict) else None,
 )  # fmt: skip
-def test_method_selection(harness, method, params, estimator, method_flags, run_name) -> None:
-    run = harness.run(recipe("7b"), METHOD=method, SHAPING_PARAMS=params)
+def test_method_selection(harness, env, estimator, tail, run_name) -> None:
+    """Each method's flags, run name and checkpoint dir; every flag known to the parsers."""
+    run = harness.run(recipe("7b"), **env)
     assert run.returncode == 0, run.output
-    args, unknown = run.parsed()
-    assert vars(args)["algo.advantage.estimator"] == estimator
-    assert unknown[: len(method_flags)] == method_flags
-    if method != "disco":
-        assert not any(a.startswith("--drpo.") for a in unknown)
-    assert vars(args)["ckpt.path"] == str(harness.tmp / "out" / run_name / "ckpt")
+    assert run.train_args[-len(tail) - 2 :] == ["--algo.advantage.estimator", estimator, *tail]
+    method = env["METHOD"]
+    if method not in ("drpo", "disco"):  # only the run option, no DRPO hyper-parameter
+        drpo_flags = [a for a in run.train_args if a.startswith("--drpo.")]
+        assert drpo_flags == ["--drpo.max_steps"]
+    assert run.args()["ckpt.path"] == str(harness.tmp / "out" / run_name / "ckpt")
+    assert_flags_known(run)
+    config, shaping, _ = parse(run.train_args)
+    assert shaping.method == (method if method not in ("drpo", "disco") else None)
+    assert config.lam == (float("inf") if method == "disco" else 0.1)
 
 
 def test_infiniband_interface(harness: Harness) -> None:
@@ -526,18 +510,20 @@ def test_head_that_dies_fails_fast(harness: Harness) -> None:
 @pytest.mark.parametrize(
     ("env", "message"),
     [
-        ({"GPUS_PER_NODE": "3"}, "TRAIN_BATCH=256 is not a multiple of MICRO_TRAIN_BATCH x GPUs"),
+        ({"GPUS_PER_NODE": "3", "PREFLIGHT": "1"},
+         "invalid training command: python -m drpo_openrlhf.train: error: --rollout.batch_size "
+         "(128 prompts) must be a multiple of the 6 actor ranks"),
+        ({"EXTRA_ARGS": "--actor.eps_clip 0.3", "PREFLIGHT": "1"},
+         "--actor.eps_clip is not used by DRPO"),
         ({"VLLM_TP": "3"}, "cannot be split into vLLM engines of VLLM_TP=3"),
         ({"NNODES": "4"}, "NNODES=4 but the allocation has 2 node(s)"),
         ({"METHOD": "grpo"}, "unknown METHOD 'grpo'"),
         ({"N_SAMPLES": "0"}, "N_SAMPLES must be a positive integer"),
-        (
-            {"TRAIN_DATA": "/nonexistent/train.jsonl"},
-            "TRAIN_DATA=/nonexistent/train.jsonl does not",
-        ),
+        ({"TRAIN_DATA": "/nope/train.jsonl"}, "TRAIN_DATA=/nope/train.jsonl does not exist"),
         ({"EVAL_DATA": "/nonexistent/aime.jsonl"}, "eval set /nonexistent/aime.jsonl does not"),
+        ({"TRAIN_DATA": "org/some-hub-dataset"}, "cannot count the prompts of TRAIN_DATA"),
     ],
-)
+)  # fmt: skip
 def test_invalid_settings_fail_before_starting_ray(harness, env, message) -> None:
     run = harness.run(recipe("1.5b"), **env)
     assert run.returncode == 1
@@ -545,21 +531,29 @@ def test_invalid_settings_fail_before_starting_ray(harness, env, message) -> Non
     assert run.of("srun") == [] and run.of("ray") == []
 
 
+def test_too_few_prompts_is_a_clear_error(harness: Harness) -> None:
+    train = harness.tmp / "small.jsonl"
+    train.write_text('{"prompt": "p", "label": "1"}\n' * 100)
+    run = harness.run(recipe("1.5b"), TRAIN_DATA=str(train))
+    assert run.returncode == 1
+    assert "has 100 prompts, fewer than ROLLOUT_PROMPTS=128" in run.output
+
+
 # ---------------------------------------------------------------------------------------------
 # Resubmission resumes
 # ---------------------------------------------------------------------------------------------
 def test_requeued_job_resumes_from_the_same_checkpoint_dir(harness: Harness) -> None:
     first = harness.run(recipe("1.5b"))
-    ckpt = Path(first.parsed()[0].__dict__["ckpt.path"])
-    assert "starting fresh" in first.output
+    ckpt = Path(first.args()["ckpt.path"])
+    assert "no checkpoint in" in first.output and "starting fresh" in first.output
     (ckpt / "_actor" / "global_step40").mkdir(parents=True)
     (ckpt / "_actor" / "latest").write_text("global_step40")
     harness.log.write_text("")
 
     second = harness.run(recipe("1.5b"), SLURM_RESTART_COUNT="1")
-    args, _ = second.parsed()
-    assert vars(args)["ckpt.path"] == str(ckpt)
-    assert vars(args)["ckpt.load_enable"] is True
+    args = second.args()
+    assert args["ckpt.path"] == str(ckpt)
+    assert args["ckpt.load_enable"] is True
     assert "resuming from " + str(ckpt / "_actor" / "global_step40") in second.output
     assert second.submit[5] == "drpo-job_drpo_lam0.1-4242-1"
 
@@ -597,14 +591,15 @@ def test_local_node(harness: Harness, env: dict[str, str], gpus: int) -> None:
                             "--dashboard-host=127.0.0.1", "--dashboard-port=8265",
                             f"--num-gpus={gpus}", "--disable-usage-stats", "--block"]  # fmt: skip
     assert run.submit[3] == "http://127.0.0.1:8265"
-    args, _ = run.parsed()
-    assert vars(args)["actor.model_name_or_path"] == RECIPES["7b"]["model"]
-    assert vars(args)["actor.adam.lr"] == RECIPES["7b"]["lr"]
-    assert vars(args)["actor.num_nodes"] == 1
-    assert vars(args)["actor.num_gpus_per_node"] == gpus
-    assert vars(args)["vllm.num_engines"] == gpus
-    assert vars(args)["train.seed"] == 3
-    assert vars(args)["ckpt.path"].endswith("/drpo-7b_drpo_lam0.1/ckpt")
+    args = run.args()
+    assert args["actor.model_name_or_path"] == RECIPES["7b"]["model"]
+    assert args["actor.adam.lr"] == RECIPES["7b"]["lr"]
+    assert args["actor.num_nodes"] == 1
+    assert args["actor.num_gpus_per_node"] == gpus
+    assert args["vllm.num_engines"] == gpus
+    assert args["train.seed"] == 3
+    assert args["ckpt.path"].endswith("/drpo-7b_drpo_lam0.1/ckpt")
+    assert_flags_known(run)
     assert_torn_down(run, {"workstation"})
 
 

@@ -104,6 +104,8 @@ def test_hapo_history_across_steps_and_checkpoint(monkeypatch):
     assert all(torch.equal(e.rewards, e.scores) for e in step1)  # no history yet: no length term
     trainer = ray_actors._GroupAwarePPOTrainer.__new__(ray_actors._GroupAwarePPOTrainer)
     trainer.experience_maker = first
+    trainer.args = first.args
+    trainer.args.drpo_run = type("Run", (), {"max_steps": None})()
     saved = {}
     base = ray_actors._GroupAwarePPOTrainer.__mro__[1]
     monkeypatch.setattr(
@@ -130,3 +132,24 @@ def test_hapo_history_across_steps_and_checkpoint(monkeypatch):
     # with history, a correct response longer than the shortest one is no longer rewarded 1
     rewards = torch.cat([e.rewards for e in step2_continued])
     assert rewards[0] < 1.0 and rewards[1] > rewards[0]
+
+
+def test_max_steps_stops_after_the_checkpoint_of_that_step(monkeypatch):
+    trainer = ray_actors._GroupAwarePPOTrainer.__new__(ray_actors._GroupAwarePPOTrainer)
+    trainer.experience_maker = maker("alp", "group_norm", beta=1e-3)
+    trainer.args = trainer.experience_maker.args
+    trainer.args.drpo_run = type("Run", (), {"max_steps": 3})()
+    trainer.wandb_logger = trainer.tensorboard_logger = None
+    base = ray_actors._GroupAwarePPOTrainer.__mro__[1]
+    saved_steps = []
+
+    def fake_fit(self, global_step=0):
+        for step in range(1, 10):
+            self.save_logs_and_checkpoints(step, {}, {"global_step": step})
+
+    monkeypatch.setattr(
+        base, "save_logs_and_checkpoints", lambda self, step, *a: saved_steps.append(step)
+    )
+    monkeypatch.setattr(base, "fit", fake_fit)
+    trainer.fit()
+    assert saved_steps == [1, 2, 3]

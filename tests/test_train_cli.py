@@ -2,6 +2,7 @@ import math
 import runpy
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -63,8 +64,8 @@ def test_parse_applies_drpo_defaults_and_keeps_user_values():
     assert value_after(argv, "--algo.kl.init_coef") == ["0"]
     assert value_after(argv, "--actor.adam.betas") == ["0.9", "0.999"]
     assert value_after(argv, "--actor.lr_scheduler") == ["constant"]
-    assert value_after(argv, "--reward.remote_url") == [str(train.MATH_REWARD)]
-    assert train.MATH_REWARD.is_file()
+    assert value_after(argv, "--reward.remote_url") == [train.MATH_REWARD]
+    assert Path(train.MATH_REWARD).is_absolute() and Path(train.MATH_REWARD).is_file()
     assert value_after(argv, "--rollout.temperature") == ["0.7"]
     assert argv.count("--rollout.temperature") == 1
 
@@ -97,6 +98,7 @@ def test_drpo_options_reach_the_config():
         (["--train.micro_batch_size", "3"], "must divide the 32 responses"),
         (["--drpo.lam", "0"], "lambda must be > 0"),
         (["--drpo.penalty_form", "half"], "invalid choice"),
+        (["--drpo.max_steps", "0"], "--drpo.max_steps must be >= 1"),
         (["--no.such.flag", "1"], "unrecognized arguments"),
     ],
 )
@@ -154,11 +156,11 @@ def test_main_runs_openrlhf_with_the_drpo_actors(monkeypatch):
         )
 
     monkeypatch.setattr(runpy, "run_module", fake_run_module)
-    train.main([*BASE, "--drpo.lam", "0.2"])
+    train.main([*BASE, "--drpo.lam", "0.2", "--drpo.max_steps", "7"])
     assert seen["name"] == "openrlhf.cli.train_ppo_ray" and seen["run_name"] == "__main__"
     assert seen["actor"] is ray_actors.DRPOPolicyModelActor
     assert seen["trainer"] is ray_actors.GroupAwarePPOTrainer
-    assert seen["args"].shaping.method is None
+    assert seen["args"].drpo_run.method is None and seen["args"].drpo_run.max_steps == 7
     assert seen["args"].drpo.lam == 0.2 and seen["args"].algo.kl.init_coef == 0
     assert "--drpo.lam" not in seen["argv"]
 
@@ -246,3 +248,11 @@ def test_main_in_baseline_mode_keeps_openrlhfs_actor(monkeypatch):
     from drpo_openrlhf.integration.ray_actors import GroupAwarePPOTrainer
 
     assert seen["trainer"] is GroupAwarePPOTrainer
+
+
+def test_reward_path_is_relative_inside_a_ray_working_dir_copy(tmp_path, monkeypatch):
+    copy = tmp_path / "runtime_resources" / "working_dir_files" / "_ray_pkg_abc"
+    (copy / "drpo_openrlhf" / "rewards").mkdir(parents=True)
+    monkeypatch.setattr(train, "__file__", str(copy / "drpo_openrlhf" / "train.py"))
+    monkeypatch.chdir(copy)
+    assert train.reward_plugin_path() == "drpo_openrlhf/rewards/math_reward.py"

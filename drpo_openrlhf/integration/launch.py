@@ -14,14 +14,14 @@ from drpo_openrlhf.algo import DRPOConfig
 from drpo_openrlhf.openrlhf_cli import TRAIN_MODULE
 
 
-def run_openrlhf(openrlhf_argv: list[str], config: DRPOConfig, shaping: SimpleNamespace) -> None:
+def run_openrlhf(openrlhf_argv: list[str], config: DRPOConfig, run: SimpleNamespace) -> None:
     """``python -m openrlhf.cli.train_ppo_ray <openrlhf_argv>`` with DRPO's update, or, when
-    ``shaping.method`` names a baseline, with PPO on shaped rewards.
+    ``run.method`` names a baseline, with PPO on shaped rewards; ``run.max_steps`` ends it.
 
     OpenRLHF's ``__main__`` looks up ``PolicyModelActor``, ``PPOTrainer`` and ``hierarchize``
     at run time, so replacing the module attributes before ``runpy`` runs it is enough: its
     own parsing, validation, placement groups, vLLM engines, checkpoints and logging stay
-    untouched. ``args.drpo`` and ``args.shaping`` travel to every Ray actor inside
+    untouched. ``args.drpo`` and ``args.drpo_run`` travel to every Ray actor inside
     ``strategy.args``.
     """
     import openrlhf.utils.config as openrlhf_config
@@ -35,11 +35,11 @@ def run_openrlhf(openrlhf_argv: list[str], config: DRPOConfig, shaping: SimpleNa
     def hierarchize_with_drpo(args):
         nested = hierarchize(args)
         nested.drpo = SimpleNamespace(**asdict(config))
-        nested.shaping = shaping
+        nested.drpo_run = run
         return nested
 
     openrlhf_config.hierarchize = hierarchize_with_drpo
-    if not shaping.method:
+    if not run.method:
         ppo_actor.PolicyModelActor = DRPOPolicyModelActor
     ppo_trainer.PPOTrainer = GroupAwarePPOTrainer
     sys.argv = [TRAIN_MODULE, *openrlhf_argv]

@@ -43,17 +43,22 @@ class _DRPOPolicyModelActor(ppo_actor.PolicyModelActor.__ray_actor_class__):
         return super().save_checkpoint(tag, states, metric_value, metric_key)
 
 
+class _MaxStepsReached(Exception):
+    """Raised after the checkpoint of the last step to leave OpenRLHF's episode loops."""
+
+
 class _GroupAwarePPOTrainer(ppo_trainer.PPOTrainer.__ray_actor_class__):
-    """Installs the experience-maker hook: group tags for DRPO, reward shaping for baselines,
-    and keeps the shaper's state (HAPO's history) in OpenRLHF's checkpoints."""
+    """Installs the experience-maker hook: group tags for DRPO, reward shaping for baselines;
+    keeps the shaper's state (HAPO's history) in OpenRLHF's checkpoints; stops the run after
+    ``--drpo.max_steps`` rollout steps."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        shaping = self.args.shaping
-        if shaping.method:
+        run = self.args.drpo_run
+        if run.method:
             self.experience_maker.__class__ = ShapingExperienceMaker
             self.experience_maker.shaper = GroupRewardShaper(
-                shaping.method, self.args.rollout.n_samples_per_prompt, **shaping.params
+                run.method, self.args.rollout.n_samples_per_prompt, **run.params
             )
         else:
             self.experience_maker.__class__ = GroupTaggingExperienceMaker
@@ -71,7 +76,19 @@ class _GroupAwarePPOTrainer(ppo_trainer.PPOTrainer.__ray_actor_class__):
     def save_logs_and_checkpoints(self, global_step, logs_dict=None, client_states=None):
         if self._shaper is not None:
             client_states = {**(client_states or {}), SHAPING_STATE: self._shaper.state_dict()}
-        return super().save_logs_and_checkpoints(global_step, logs_dict, client_states)
+        super().save_logs_and_checkpoints(global_step, logs_dict, client_states)
+        max_steps = self.args.drpo_run.max_steps
+        if max_steps is not None and global_step >= max_steps:
+            raise _MaxStepsReached
+
+    def fit(self, global_step: int = 0) -> None:
+        try:
+            super().fit(global_step)
+        except _MaxStepsReached:
+            logger.info("stopping after --drpo.max_steps=%d steps", self.args.drpo_run.max_steps)
+            for tracker in (self.wandb_logger, self.tensorboard_logger):
+                if tracker:
+                    tracker.close()
 
     def init_checkpoint_states(self):
         states = super().init_checkpoint_states()
