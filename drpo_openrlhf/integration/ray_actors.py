@@ -24,6 +24,18 @@ logger = logging.getLogger(__name__)
 DRPO_STATE, SHAPING_STATE = "drpo", "shaping"  # our keys in OpenRLHF's checkpoint client state
 
 
+def warn_if_settings_changed(saved: dict | None, config: DRPOConfig) -> bool:
+    """Warn (and say so) when a run resumes with other DRPO settings than it saved."""
+    current = asdict(config)
+    changed = sorted(k for k in current if saved is not None and saved.get(k) != current[k])
+    if changed:
+        logger.warning(
+            "resuming with different DRPO settings: %s",
+            ", ".join(f"{k}: {saved.get(k)!r} -> {current[k]!r}" for k in changed),
+        )
+    return bool(changed)
+
+
 class _DRPOPolicyModelActor(ppo_actor.PolicyModelActor.__ray_actor_class__):
     def init_model_from_pretrained(self, strategy, *args, **kwargs):
         super().init_model_from_pretrained(strategy, *args, **kwargs)

@@ -1,0 +1,107 @@
+"""Save -> stop -> resume of the DRPO actor continues exactly like an uninterrupted run, and
+the checkpoint carries the DRPO settings."""
+
+import logging
+import math
+import socket
+from dataclasses import asdict
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from drpo_actor_harness import Case, drpo_config, openrlhf_args, rollout, tiny_model
+
+from drpo_openrlhf.algo import DRPOConfig
+
+# the spawned worker imports this module without conftest: OpenRLHF is imported lazily
+
+CASE = Case(zero_stage=2, micro_batch_size=4)
+
+
+def fresh_trainer(ckpt_dir: str):
+    import actor_setup
+
+    from drpo_openrlhf.integration.actor_trainer import DRPOActorTrainer
+
+    args = openrlhf_args(CASE, 1)
+    args.ckpt.path = ckpt_dir
+    strategy = actor_setup.setup_strategy(args, "fp32")
+    actor, optim, scheduler = actor_setup.prepare_actor(strategy, tiny_model())
+    trainer = actor_setup.ppo_trainer(strategy, actor, optim, scheduler)
+    trainer.__class__ = DRPOActorTrainer
+    trainer.enable_drpo(drpo_config(CASE))
+    return strategy, actor, trainer
+
+
+def train_rollout(actor, trainer, seed: int) -> None:
+    """One rollout whose old log-probs come from the current policy, as in OpenRLHF."""
+    import actor_setup
+
+    from drpo_openrlhf.integration.actor_trainer import GROUP_KEY
+
+    data = rollout(seed)
+    with torch.no_grad():
+        old = actor(data["sequences"], data["action_mask"], attention_mask=data["attention_mask"])
+    trainer.replay_buffer.append(actor_setup.experience(data, old, GROUP_KEY))
+    with actor_setup.cuda_queries_answered("cpu", "cpu"):
+        trainer.ppo_train(0.0)
+    trainer.replay_buffer.clear()
+
+
+def weights(actor) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in actor.model.module.parameters()]
+
+
+def resume_worker(rank: int, port: int, ckpt_dir: str, out: str) -> None:
+    import actor_setup
+
+    actor_setup.set_rank_env(rank, 1, port)
+    from drpo_openrlhf.integration import ray_actors
+
+    # uninterrupted: two rollouts
+    _, actor, trainer = fresh_trainer(ckpt_dir)
+    train_rollout(actor, trainer, 0)
+    train_rollout(actor, trainer, 1)
+    uninterrupted = weights(actor)
+    # interrupted: one rollout, checkpoint through the DRPO actor class, new engine, resume
+    strategy, actor, trainer = fresh_trainer(ckpt_dir)
+    train_rollout(actor, trainer, 0)
+    policy = ray_actors._DRPOPolicyModelActor.__new__(ray_actors._DRPOPolicyModelActor)
+    policy.strategy, policy.actor, policy.trainer = strategy, actor, trainer
+    policy.disable_ds_ckpt, policy.save_hf_ckpt = False, False
+    with actor_setup.cuda_queries_answered("cpu", 0):
+        policy.save_checkpoint("global_step1", {"global_step": 1})
+    del actor, trainer, policy
+    strategy, actor, trainer = fresh_trainer(ckpt_dir)
+    _, states = strategy.load_ckpt(actor.model, f"{ckpt_dir}/_actor")
+    train_rollout(actor, trainer, 1)
+    torch.save({"uninterrupted": uninterrupted, "resumed": weights(actor), "states": states}, out)
+
+
+@pytest.mark.slow
+def test_resume_continues_like_an_uninterrupted_run(tmp_path):
+    from drpo_openrlhf.integration import ray_actors
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "result.pt"
+    mp.spawn(resume_worker, args=(port, str(tmp_path / "ckpt"), str(out)), nprocs=1, join=True)
+    result = torch.load(out, weights_only=False)
+    for a, b in zip(result["uninterrupted"], result["resumed"], strict=True):
+        assert torch.equal(a, b)
+    assert result["states"]["global_step"] == 1
+    assert result["states"][ray_actors.DRPO_STATE] == asdict(drpo_config(CASE))
+    initial = [p.detach() for p in tiny_model().parameters()]
+    assert any(not torch.equal(a, i) for a, i in zip(result["resumed"], initial, strict=True))
+
+
+def test_changed_settings_on_resume_are_reported(caplog):
+    from drpo_openrlhf.integration import ray_actors
+
+    saved = asdict(DRPOConfig(lam=0.1))
+    with caplog.at_level(logging.WARNING):
+        assert not ray_actors.warn_if_settings_changed(saved, DRPOConfig(lam=0.1))
+        assert not ray_actors.warn_if_settings_changed(None, DRPOConfig(lam=0.2))
+        assert ray_actors.warn_if_settings_changed(saved, DRPOConfig(lam=math.inf, tau=5.0))
+    assert "lam: 0.1 -> inf" in caplog.text and "tau: 10.0 -> 5.0" in caplog.text
