@@ -1,0 +1,12 @@
+"""Rule-based rewards: math correctness (math-verify, bounded time) and K&K logic puzzles.
+
+* :mod:`drpo_openrlhf.rewards.math_reward`: ``grade_responses`` (batch API) and the
+  OpenRLHF plugin ``reward_func``;
+* :mod:`drpo_openrlhf.rewards.kk_reward`: ``grade_kk`` and its ``reward_func``.
+
+Both plugin files can be given to OpenRLHF as ``--reward.remote_url <file>``.
+"""
+
+from drpo_openrlhf.rewards.grading import DEFAULT_TIMEOUT_S, REASONS, GradeResult, grade_responses
+
+__all__ = ["DEFAULT_TIMEOUT_S", "REASONS", "GradeResult", "grade_responses"]

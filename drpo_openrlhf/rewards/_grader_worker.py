@@ -1,0 +1,183 @@
+"""Child process of :mod:`drpo_openrlhf.rewards.grader_pool`: grades answers with math-verify.
+
+Run by path (``python _grader_worker.py FD MEMORY_MB PARENT_PID``), not as a package module, so that
+it imports nothing but the standard library and math-verify. It talks to its parent over
+the inherited socket ``FD`` with :class:`multiprocessing.connection.Connection` messages:
+
+* child -> parent, once: ``("ready", pid)`` or ``("fatal", message)``;
+* parent -> child: ``("grade", job_id, gold, pred, soft_timeout_s)`` or ``("stop",)``;
+* child -> parent: ``("result", job_id, correct, reason, restart)``.
+
+The child runs in its own main thread, so a ``SIGALRM`` interval timer (soft deadline)
+can interrupt pure-Python sympy work and answer ``"timeout"`` without losing the process.
+Work stuck inside C code ignores the signal; the parent then kills the process at its
+hard deadline and starts a new one. The child exits when the parent goes away (EOF).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# Running by path puts this package directory first on sys.path; drop it so that its
+# modules can never shadow standard or third-party ones.
+if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
+    del sys.path[0]
+
+import logging
+import resource
+import signal
+import warnings
+from collections import OrderedDict
+from multiprocessing.connection import Connection
+
+_GOLD_CACHE_SIZE = 4096
+_MISSING = object()
+# Graded once at start-up: sympy imports much of itself lazily, and the first answer of
+# each kind (interval, matrix, equation...) would otherwise pay for it inside its deadline.
+_WARMUP = (
+    ("\\frac{1}{2}", "0.5"),
+    ("(1, 2]", "[1,2)"),
+    ("\\{1, 2\\}", "\\{2,1\\}"),
+    ("x^2 + 2x + 1", "(x+1)^2"),
+    ("2\\sqrt{2}", "\\sqrt{8}"),
+    ("3 + 4i", "4i+3"),
+    ("\\begin{pmatrix}1\\\\2\\end{pmatrix}", "\\begin{pmatrix}1\\\\3\\end{pmatrix}"),
+    ("y = 2x + 1", "2x+1"),
+    ("x \\in (-\\infty, 3)", "x < 3"),
+    ("10\\%", "0.1"),
+    ("\\text{(A)}", "A"),
+    ("\\frac{\\pi}{2}", "90^\\circ"),
+)
+
+
+class _Deadline(BaseException):
+    """Raised by the soft timer. A BaseException, so that math-verify's and sympy's
+    ``except Exception`` blocks do not swallow it."""
+
+
+_armed = False
+
+
+def _on_alarm(signum, frame):
+    if _armed:
+        raise _Deadline
+
+
+def _limit_memory(memory_mb: int) -> None:
+    if memory_mb <= 0:
+        return
+    limit = memory_mb * 1024 * 1024
+    try:
+        _soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        if hard != resource.RLIM_INFINITY:
+            limit = min(limit, hard)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    except (ValueError, OSError):
+        pass
+
+
+class _Grader:
+    def __init__(self):
+        from math_verify import parse, verify
+
+        self._parse = parse
+        self._verify = verify
+        self._gold_cache: OrderedDict[str, list] = OrderedDict()
+
+    def _parse_boxed(self, latex: str) -> list:
+        return self._parse("\\boxed{" + latex + "}", parsing_timeout=None)
+
+    def _gold(self, gold: str) -> list:
+        parsed = self._gold_cache.get(gold, _MISSING)
+        if parsed is _MISSING:
+            parsed = self._parse_boxed(gold)
+            self._gold_cache[gold] = parsed
+            if len(self._gold_cache) > _GOLD_CACHE_SIZE:
+                self._gold_cache.popitem(last=False)
+        else:
+            self._gold_cache.move_to_end(gold)
+        return parsed
+
+    def grade(self, gold: str, pred: str) -> tuple[bool, str]:
+        gold_parsed = self._gold(gold)
+        if not gold_parsed:
+            return False, "bad_label"
+        pred_parsed = self._parse_boxed(pred)
+        if not pred_parsed:
+            return False, "unparsable"
+        correct = bool(self._verify(gold_parsed, pred_parsed, timeout_seconds=None))
+        return correct, "ok" if correct else "wrong"
+
+
+def _serve(conn: Connection, grader: _Grader) -> int:
+    global _armed
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return 0
+        if not msg or msg[0] != "grade":
+            return 0
+        _, job_id, gold, pred, soft_timeout_s = msg
+        correct, reason, restart = False, "error", False
+        try:
+            try:
+                _armed = True
+                signal.setitimer(signal.ITIMER_REAL, max(float(soft_timeout_s), 1e-3))
+                correct, reason = grader.grade(gold, pred)
+            finally:
+                _armed = False
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        except _Deadline:
+            correct, reason = False, "timeout"
+        except MemoryError:
+            correct, reason, restart = False, "error", True
+        except Exception:
+            correct, reason = False, "error"
+        try:
+            conn.send(("result", job_id, correct, reason, restart))
+        except (EOFError, OSError):
+            return 0
+        if restart:
+            return 0
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: get SIGKILL when the parent goes away, even if stuck in C code then."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if parent_pid and os.getppid() != parent_pid:
+        os._exit(0)  # the parent died before prctl took effect
+
+
+def main(argv: list[str]) -> int:
+    fd = int(argv[1])
+    memory_mb = int(argv[2]) if len(argv) > 2 else 0
+    _die_with_parent(int(argv[3]) if len(argv) > 3 else 0)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the parent
+    signal.signal(signal.SIGALRM, _on_alarm)
+    conn = Connection(fd)
+    try:
+        grader = _Grader()
+        logging.disable(logging.CRITICAL)  # math-verify warns on every failed parse
+        warnings.simplefilter("ignore")  # and sympy on deprecated input
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - library prints must not leak
+        for gold, pred in _WARMUP:
+            grader.grade(gold, pred)
+        grader._gold_cache.clear()
+    except BaseException as exc:
+        conn.send(("fatal", f"{type(exc).__name__}: {exc}"))
+        return 1
+    _limit_memory(memory_mb)
+    conn.send(("ready", os.getpid()))
+    return _serve(conn, grader)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

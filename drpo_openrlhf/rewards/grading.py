@@ -1,0 +1,150 @@
+"""Math answer grading: R1-style answer extraction + math-verify, with a hard deadline.
+
+``grade_responses`` is the batch API used by the evaluator and the trainer; the OpenRLHF
+plugin (``math_reward.reward_func``) is a thin wrapper around it.
+
+Per response, the first of these that applies is its reason:
+
+1. ``bad_label``: the label is missing or empty.
+2. ``no_think_end``: the response has no ``</think>`` (e.g. truncated) and
+   ``require_think_end`` is set. The answer is the text after the first ``</think>``.
+3. ``no_boxed``: the answer has no well-formed ``\\boxed{...}`` / ``\\boxed x`` / ``\\fbox``;
+   ``unparsable`` if the last box is empty.
+4. ``too_long``: the boxed answer is longer than ``MAX_ANSWER_CHARS`` (a label that long is
+   ``bad_label``).
+5. The last boxed content is compared with the label (itself unboxed if boxed) by
+   math-verify (``parse`` both as ``\\boxed{...}``, then ``verify(gold, pred)``) in a
+   grader process: ``ok`` / ``wrong`` / ``bad_label`` (math-verify extracts nothing from
+   the label) / ``unparsable`` (nothing from the answer) / ``timeout`` (deadline hit) /
+   ``error`` (anything else).
+
+Identical strings are accepted without a round trip to the pool.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from drpo_openrlhf.rewards.answer_extraction import (
+    answer_part,
+    last_boxed,
+    normalize_label,
+    to_text,
+)
+from drpo_openrlhf.rewards.grader_pool import get_pool
+
+DEFAULT_TIMEOUT_S = 5.0
+"""Default per-response deadline (seconds of grader time)."""
+
+MAX_ANSWER_CHARS = 2000
+"""Boxed answers (and labels) longer than this are not handed to sympy: ``too_long``."""
+
+REASONS = (
+    "ok",
+    "wrong",
+    "no_think_end",
+    "no_boxed",
+    "unparsable",
+    "too_long",
+    "bad_label",
+    "timeout",
+    "error",
+)
+"""Every ``GradeResult.reason``; only ``"ok"`` is correct."""
+
+
+@dataclass(frozen=True)
+class GradeResult:
+    """Outcome of grading one response: ``correct`` and why (one of ``REASONS``)."""
+
+    correct: bool
+    reason: str
+
+
+OK = GradeResult(True, "ok")
+
+
+def env_timeout_s() -> float:
+    """``$DRPO_REWARD_TIMEOUT_S`` if set to a positive number, else ``DEFAULT_TIMEOUT_S``."""
+    try:
+        value = float(os.environ.get("DRPO_REWARD_TIMEOUT_S", ""))
+    except ValueError:
+        return DEFAULT_TIMEOUT_S
+    return value if math.isfinite(value) and value > 0 else DEFAULT_TIMEOUT_S
+
+
+def prepare(
+    response: object, label: object, require_think_end: bool = True
+) -> GradeResult | tuple[str, str]:
+    """Cheap checks done in the caller's thread.
+
+    Returns a final ``GradeResult`` or the ``(gold, pred)`` pair math-verify must compare.
+    """
+    gold = normalize_label(label)
+    if gold is None:
+        return GradeResult(False, "bad_label")
+    text = to_text(response) or ""
+    answer = answer_part(text, require_think_end)
+    if answer is None:
+        return GradeResult(False, "no_think_end")
+    pred = last_boxed(answer)
+    if pred is None:
+        return GradeResult(False, "no_boxed")
+    pred = pred.strip()
+    if not pred:
+        return GradeResult(False, "unparsable")
+    if len(pred) > MAX_ANSWER_CHARS:
+        return GradeResult(False, "too_long")
+    if len(gold) > MAX_ANSWER_CHARS:
+        return GradeResult(False, "bad_label")
+    if pred == gold:
+        return OK
+    return gold, pred
+
+
+def grade_responses(
+    responses: Sequence[str],
+    labels: Sequence[str],
+    *,
+    require_think_end: bool = True,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> list[GradeResult]:
+    """Grade R1-style ``responses`` against math ``labels`` (boxed or not).
+
+    ``responses`` are model outputs only (no prompt). ``require_think_end=False`` is for
+    non-thinking models: the whole response is the answer when there is no ``</think>``.
+    Each response gets at most ``timeout_s`` seconds of grader time (plus a small grace
+    for killing a stuck grader); responses beyond the pool size queue. Thread-safe; the
+    content of a response or label never raises (failures are ``GradeResult``s), but a
+    length mismatch or a non-positive ``timeout_s`` is a ``ValueError``.
+    """
+    if len(responses) != len(labels):
+        raise ValueError(f"{len(responses)} responses but {len(labels)} labels")
+    timeout_s = float(timeout_s)
+    if not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise ValueError(f"timeout_s must be a positive number, got {timeout_s}")
+
+    results: list[GradeResult | None] = [None] * len(responses)
+    pending: list[tuple[int, str, str]] = []
+    for i, (response, label) in enumerate(zip(responses, labels, strict=True)):
+        try:
+            prepared = prepare(response, label, require_think_end)
+        except Exception:
+            prepared = GradeResult(False, "error")
+        if isinstance(prepared, GradeResult):
+            results[i] = prepared
+        else:
+            pending.append((i, *prepared))
+
+    if pending:
+        try:
+            pool = get_pool()
+            outcomes = pool.grade_many([(gold, pred) for _, gold, pred in pending], timeout_s)
+        except Exception:
+            outcomes = [(False, "error")] * len(pending)
+        for (i, _, _), (correct, reason) in zip(pending, outcomes, strict=True):
+            results[i] = OK if correct else GradeResult(False, reason)
+    return results  # type: ignore[return-value]

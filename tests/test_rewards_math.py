@@ -1,0 +1,290 @@
+"""Math grading: math-verify equivalences, reasons, deadlines, threads, garbage input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from drpo_openrlhf.rewards.grader_pool import GraderPool, get_pool
+from drpo_openrlhf.rewards.math_reward import (
+    DEFAULT_TIMEOUT_S,
+    REASONS,
+    GradeResult,
+    grade_responses,
+)
+
+STUCK_WORKER = Path(__file__).parent / "fixtures" / "rewards" / "stuck_worker.py"
+
+# (label, final boxed answer, correct): equivalences as math-verify decides them.
+TRICKY_PAIRS = [
+    ("\\frac{1}{2}", "0.5", True),
+    ("0.5", "\\dfrac{1}{2}", True),
+    ("\\boxed{\\frac{1}{2}}", "1/2", True),  # boxed label
+    ("$\\frac{1}{2}$", "\\tfrac12", True),
+    ("\\dfrac{3}{4}", "\\frac{6}{8}", True),
+    ("1.5", "\\frac32", True),
+    ("\\frac{14}{3}", "4\\frac{2}{3}", True),  # mixed number
+    ("\\frac{1}{3}", "0.333333", True),  # equal to 6 decimals
+    ("2\\sqrt{2}", "\\sqrt{8}", True),
+    ("\\frac{\\sqrt{2}}{2}", "\\frac{1}{\\sqrt{2}}", True),
+    ("\\sqrt[3]{2}", "2^{1/3}", True),
+    ("2^{10}", "1024", True),
+    ("x^2+2x+1", "(x+1)^2", True),
+    ("a+b", "b+a", True),
+    ("6\\pi", "6 \\pi", True),
+    ("-1", "- 1", True),
+    ("1000", "1,000", True),
+    ("3", "x=3", True),
+    ("k=5", "5", True),
+    ("y = 2x + 3", "2x+3", True),
+    ("(1,2]", "(1, 2]", True),  # intervals
+    ("(-\\infty, 3)", "(-\\infty,3)", True),
+    ("\\{1,2,3\\}", "\\{3,2,1\\}", True),  # sets
+    ("2, 3", "3, 2", True),
+    ("\\begin{pmatrix}1\\\\2\\end{pmatrix}", "\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", True),
+    ("10\\%", "0.1", True),  # percentages
+    ("0.25", "25\\%", True),
+    ("5\\text{ cm}", "5", True),  # units
+    ("90^\\circ", "90", True),
+    ("\\$18.90", "18.9", True),
+    ("\\text{(C)}", "C", True),  # text answers
+    ("\\text{Evelyn}", "\\text{ Evelyn}", True),
+    ("\\text{Monday}", "\\text{monday}", True),
+    ("2", "3", False),
+    ("-2", "2", False),
+    ("12", "21", False),
+    ("\\frac{1}{2}", "\\frac{1}{3}", False),
+    ("\\frac{1}{3}", "0.33", False),
+    ("\\pi", "3.14", False),
+    ("\\sqrt{2}", "2", False),
+    ("x^2+1", "(x+1)^2", False),
+    ("x=3", "x=-3", False),
+    ("[1,2)", "(1,2)", False),
+    ("(-\\infty, 3)", "(-\\infty, 3]", False),
+    ("(1,2)", "(2,1)", False),
+    ("\\{1,2\\}", "\\{1,2,3\\}", False),
+    ("5\\text{ cm}", "6", False),
+    ("\\text{yes}", "\\text{no}", False),
+    ("\\text{Monday}", "\\text{Tuesday}", False),
+]
+
+# Inputs that keep sympy busy far longer than any deadline (see scripts/bench_reward.py).
+ADVERSARIAL = [
+    "(" * 990 + ")" * 990,
+    "\\left(" * 300,
+    "9^{9^{9}}",
+    "10^{10^{15}}",
+    "(10^{9})!",
+]
+
+
+def r1(answer: str, reasoning: str = "Let me think step by step. " * 50) -> str:
+    return f"{reasoning}</think>\n\nThe final answer is $\\boxed{{{answer}}}$."
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm_pool():
+    grade_responses([r1("1")], ["2"])  # start the shared pool outside of timed sections
+
+
+def test_tricky_pairs():
+    results = grade_responses([r1(p) for _, p, _ in TRICKY_PAIRS], [g for g, _, _ in TRICKY_PAIRS])
+    wrong = [
+        (gold, pred, res)
+        for (gold, pred, expected), res in zip(TRICKY_PAIRS, results, strict=True)
+        if res.correct != expected or res.reason != ("ok" if expected else "wrong")
+    ]
+    assert not wrong
+
+
+@pytest.mark.parametrize(
+    ("response", "label", "require", "reason"),
+    [
+        ("reasoning \\boxed{2}", "2", True, "no_think_end"),  # truncated: no </think>
+        ("\\boxed{2} in thoughts</think> but not after", "2", True, "no_boxed"),
+        ("</think>\\boxed{}", "2", True, "unparsable"),
+        ("</think>\\boxed{$$}", "2", True, "unparsable"),
+        ("</think>\\boxed{2}", None, True, "bad_label"),
+        ("</think>\\boxed{2}", "", True, "bad_label"),
+        ("</think>\\boxed{2}", "\\text{}", True, "bad_label"),
+        ("</think>\\boxed{" + "1+" * 2000 + "1}", "2", True, "too_long"),
+        ("no thinking at all: \\boxed{2}", "2", False, "ok"),
+        ("no thinking at all: \\boxed{\\frac{4}{2}}", "2", False, "ok"),
+        ("a</think>b \\boxed{3}</think> \\boxed{2}", "2", True, "ok"),
+        ("</think>\\boxed 2", "2", True, "ok"),
+        ("</think>\\fbox{2}", "2", True, "ok"),
+    ],
+)
+def test_reasons(response, label, require, reason):
+    (result,) = grade_responses([response], [label], require_think_end=require)
+    assert result == GradeResult(reason == "ok", reason)
+    assert result.reason in REASONS
+
+
+def test_result_type_and_signature():
+    assert DEFAULT_TIMEOUT_S > 0
+    result = grade_responses([r1("1/2")], ["0.5"], require_think_end=True, timeout_s=3.0)[0]
+    assert result.correct is True and result.reason == "ok"
+    with pytest.raises(AttributeError):
+        result.correct = False  # frozen
+    assert grade_responses([], []) == []
+    with pytest.raises(ValueError):
+        grade_responses(["a"], [])
+    with pytest.raises(ValueError):
+        grade_responses(["a"], ["1"], timeout_s=0)
+
+
+def test_garbage_never_raises():
+    responses = [
+        None,
+        b"</think>\\boxed{2}",
+        b"\xff\xfe</think>\\boxed{2}",
+        12,
+        "</think>\\boxed{\x00}",
+        "</think>\\boxed{\ud800}",  # lone surrogate
+        "</think>" + "\\boxed{" * 10_000,
+        "x" * 3_000_000 + "</think>\\boxed{2}",
+        "</think>" + "{" * 3_000_000 + "\\boxed{2}",
+        "</think>\\boxed{" + "\\frac{" * 5000 + "}",
+        object(),
+    ]
+    labels = ["2", "2", "2", "2", None, b"2", 2, "2", 2.0, "2", object()]
+    start = time.monotonic()
+    results = grade_responses(responses, labels, timeout_s=2.0)
+    assert all(isinstance(r, GradeResult) and r.reason in REASONS for r in results)
+    assert [r.correct for r in results[:4]] == [False, True, True, False]
+    assert results[7].correct and results[8].correct  # megabytes of text, answer at the end
+    assert time.monotonic() - start < 30
+
+
+def test_deadline_holds_from_worker_thread():
+    """Adversarial answers from a worker thread (as OpenRLHF's asyncio.to_thread calls
+    do): each is cut off at the deadline, and the pool keeps grading afterwards."""
+    timeout_s = 1.0
+    with ThreadPoolExecutor(max_workers=1) as ex:
+        for latex in ADVERSARIAL:
+            start = time.monotonic()
+            (result,) = ex.submit(grade_responses, [r1(latex)], ["5"], timeout_s=timeout_s).result()
+            elapsed = time.monotonic() - start
+            assert result.reason in ("timeout", "wrong", "unparsable"), latex
+            # grace (0.5 s) for killing a stuck child, plus scheduling slack
+            assert elapsed < timeout_s + 1.5, (latex, elapsed)
+    assert threading.current_thread() is threading.main_thread()
+    assert grade_responses([r1("\\frac{1}{2}")], ["0.5"])[0].correct
+
+
+def test_many_threads_at_once():
+    """32 threads (asyncio's default to_thread pool size) grading one answer each, mixed
+    with adversarial ones: every call returns, correct answers stay correct."""
+    cases = []
+    for i in range(64):
+        if i % 8 == 0:
+            cases.append((r1(ADVERSARIAL[0]), "5", False))
+        elif i % 2:
+            cases.append((r1(f"\\frac{{{2 * i}}}{{2}}"), str(i), True))
+        else:
+            cases.append((r1(str(i + 1)), str(i), False))
+    start = time.monotonic()
+    with ThreadPoolExecutor(max_workers=32) as ex:
+        futures = [
+            ex.submit(grade_responses, [resp], [lab], timeout_s=1.0) for resp, lab, _ in cases
+        ]
+        results = [f.result(timeout=120)[0] for f in futures]
+    assert [r.correct for r in results] == [c for _, _, c in cases]
+    # 8 adversarial answers x 1.5 s on the pool, plus everything else: far below serial time
+    assert time.monotonic() - start < 60
+
+
+def test_batch_larger_than_pool_does_not_time_out():
+    n = 10 * get_pool().num_workers
+    results = grade_responses([r1("\\frac{2}{4}")] * n, ["0.5"] * n, timeout_s=2.0)
+    assert all(r.correct for r in results)
+
+
+def test_stuck_child_is_killed_and_replaced():
+    """A child stuck where SIGALRM cannot reach (C code) is killed at the hard deadline;
+    a crashing child scores ``error``; both are replaced and grading goes on."""
+    pool = GraderPool(num_workers=1, grace_s=0.5, worker_script=STUCK_WORKER)
+    try:
+        assert pool.grade_many([("2", "2")], timeout_s=1.0) == [(True, "ok")]
+        start = time.monotonic()
+        assert pool.grade_many([("2", "HANG")], timeout_s=1.0) == [(False, "timeout")]
+        assert time.monotonic() - start < 1.0 + 0.5 + 1.0
+        assert pool.counts["killed"] == 1
+        assert pool.grade_many([("0.5", "\\frac12")], timeout_s=1.0) == [(True, "ok")]
+        assert pool.grade_many([("2", "CRASH")], timeout_s=1.0) == [(False, "error")]
+        assert pool.counts["crashed"] == 1
+        # a batch with a stuck answer in the middle: the others are graded normally
+        out = pool.grade_many([("1", "1"), ("2", "HANG"), ("3", "3")], timeout_s=1.0)
+        assert out == [(True, "ok"), (False, "timeout"), (True, "ok")]
+    finally:
+        pool.close()
+    assert pool.grade_many([("1", "1")], timeout_s=1.0) == [(False, "error")]  # closed
+
+
+def test_memory_cap_is_applied_and_survivable():
+    pool = GraderPool(num_workers=1, memory_mb=150)
+    try:
+        assert pool.grade_many([("1", "1.0")], timeout_s=5.0) == [(True, "ok")]
+        (pid,) = pool.worker_pids()
+        limits = Path(f"/proc/{pid}/limits").read_text()
+        line = next(x for x in limits.splitlines() if x.startswith("Max address space"))
+        assert str(150 * 1024 * 1024) in line
+        # a 2^(2^40) power does not fit in 150 MiB: not correct, and the pool goes on
+        out = pool.grade_many([("1", "2^{2^{40}}"), ("1", "1.0")], timeout_s=10.0)
+        assert out[0][0] is False
+        assert out[1] == (True, "ok")
+    finally:
+        pool.close()
+
+
+def test_children_die_with_their_parent(tmp_path):
+    """A trainer process killed outright leaves no grader behind, even a stuck one."""
+    script = textwrap.dedent(
+        f"""
+        import os, signal, sys, threading, time
+        from drpo_openrlhf.rewards.grader_pool import GraderPool
+        pool = GraderPool(num_workers=2, worker_script={str(STUCK_WORKER)!r})
+        assert pool.grade_many([("1", "1")], timeout_s=5.0) == [(True, "ok")]
+        threading.Thread(target=pool.grade_many, args=([("1", "HANG")], 600.0), daemon=True).start()
+        time.sleep(1.0)
+        print(" ".join(map(str, pool.worker_pids())), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    pids = [int(p) for p in proc.stdout.split()]
+    assert len(pids) == 2, proc.stderr[-2000:]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "State:\tZ" not in status  # a zombie is dead, only not yet reaped
+
+
+def test_pool_that_cannot_start_fails_fast(tmp_path):
+    broken = tmp_path / "broken_worker.py"
+    broken.write_text("import sys\nsys.exit(1)\n")
+    pool = GraderPool(num_workers=2, worker_script=broken)
+    try:
+        start = time.monotonic()
+        assert pool.grade_many([("1", "1.0")] * 3, timeout_s=1.0) == [(False, "error")] * 3
+        assert time.monotonic() - start < 20
+    finally:
+        pool.close()
