@@ -58,8 +58,11 @@ def resume_worker(rank: int, port: int, ckpt_dir: str, out: str) -> None:
     actor_setup.set_rank_env(rank, 1, port)
     from drpo_openrlhf.integration import ray_actors
 
-    # uninterrupted: two rollouts
-    _, actor, trainer = fresh_trainer(ckpt_dir)
+    # uninterrupted: two rollouts (with an EMA model, whose update is recorded, not run)
+    strategy, actor, trainer = fresh_trainer(ckpt_dir)
+    ema_calls = []
+    trainer.ema_model = "ema"
+    strategy.moving_average = lambda model, ema, beta, device: ema_calls.append(ema)
     train_rollout(actor, trainer, 0)
     train_rollout(actor, trainer, 1)
     uninterrupted = weights(actor)
@@ -75,7 +78,16 @@ def resume_worker(rank: int, port: int, ckpt_dir: str, out: str) -> None:
     strategy, actor, trainer = fresh_trainer(ckpt_dir)
     _, states = strategy.load_ckpt(actor.model, f"{ckpt_dir}/_actor")
     train_rollout(actor, trainer, 1)
-    torch.save({"uninterrupted": uninterrupted, "resumed": weights(actor), "states": states}, out)
+    torch.save(
+        {
+            "uninterrupted": uninterrupted,
+            "resumed": weights(actor),
+            "states": states,
+            "ema_calls": len(ema_calls),
+            "micro_steps": 2 * trainer.drpo_layout.micro_steps * 2,  # 2 rollouts x 2 steps
+        },
+        out,
+    )
 
 
 @pytest.mark.slow
@@ -91,6 +103,7 @@ def test_resume_continues_like_an_uninterrupted_run(tmp_path):
     for a, b in zip(result["uninterrupted"], result["resumed"], strict=True):
         assert torch.equal(a, b)
     assert result["states"]["global_step"] == 1
+    assert result["ema_calls"] == result["micro_steps"]  # once per micro-step, as OpenRLHF
     assert result["states"][ray_actors.DRPO_STATE] == asdict(drpo_config(CASE))
     initial = [p.detach() for p in tiny_model().parameters()]
     assert any(not torch.equal(a, i) for a, i in zip(result["resumed"], initial, strict=True))

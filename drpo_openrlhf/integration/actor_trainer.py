@@ -238,6 +238,8 @@ class DRPOActorTrainer(ActorPPOTrainer):
             self.strategy.backward(loss * scale, self.actor, self.actor_optim)
             if not dynamic or j == len(batches) - 1:  # otherwise DeepSpeed finds the boundary
                 self.strategy.optimizer_step(self.actor_optim, self.actor, self.actor_scheduler)
+                if self.ema_model:  # as OpenRLHF's training_step: acts at the boundary
+                    self.strategy.moving_average(self.actor, self.ema_model, self.ema_beta, "cuda")
             offset = end
         elapsed = time.perf_counter() - start
 

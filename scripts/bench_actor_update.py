@@ -1,0 +1,529 @@
+"""Time one actor update (``ppo_train`` over a whole rollout) of DRPO against OpenRLHF's PPO.
+
+Both methods train the same model from the same seed on the same synthetic rollout, with the
+same micro-batch size, ZeRO stage, dtype and gradient checkpointing, through OpenRLHF's real
+``DeepspeedStrategy`` / ``Actor`` / ``ActorPPOTrainer`` (DRPO swaps in ``DRPOActorTrainer``;
+PPO gets GRPO-style group-normalised advantages). Each method runs in its own subprocess, so
+peak memory is per method. On CPU the two take turns, one call each, and CPU seconds are
+reported beside wall seconds: on a shared machine other load inflates wall time, not CPU time.
+
+DRPO's time is split into its *scores pass* (no-grad forwards that give the current scores;
+skipped on the first optimizer step of a rollout), the scalar *exchange* (all-gather and
+``loss_coefficients``) and the rest, the *gradient pass*.
+
+    python scripts/bench_actor_update.py                  # tiny Qwen2 on CPU, ~2 min
+    python scripts/bench_actor_update.py --device cuda    # R1-Distill-Qwen-1.5B shape, bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from contextlib import ExitStack
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import actor_setup  # tests/ holds the set-up shared with the exactness tests
+
+METHODS = ("drpo", "ppo")
+TAG = "@bench"  # prefix of the worker's messages on its stdout
+MODELS = {
+    # Big enough on CPU that matrix products, not Python overhead, dominate a micro-step.
+    "tiny": dict(
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    ),
+    # The architecture of deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B (random weights).
+    "r1-distill-qwen-1.5b": dict(
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        max_position_embeddings=131072,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    ),
+}
+# Per-device defaults: a rollout of whole prompt groups with 4 optimizer steps, as in the
+# paper (train batch = rollout / 4).
+DEFAULTS = {
+    "cpu": dict(
+        model="tiny",
+        prompts=8,
+        n=8,
+        train_batch=16,
+        micro_batch=4,
+        prompt_len=(32, 96),
+        response_len=(64, 256),
+        zero_stage=2,
+        dtype="fp32",
+        gradient_checkpointing=False,
+        repeats=3,
+        threads=1,
+    ),
+    "cuda": dict(
+        model="r1-distill-qwen-1.5b",
+        prompts=4,
+        n=8,
+        train_batch=8,
+        micro_batch=2,
+        prompt_len=(128, 512),
+        response_len=(1024, 4096),
+        zero_stage=3,
+        dtype="bf16",
+        gradient_checkpointing=True,
+        repeats=3,
+        threads=0,
+    ),
+}
+# Dense bf16 peak (TFLOP/s, no sparsity) by GPU name; first match wins.
+BF16_PEAK_TFLOPS = (
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.0),
+    ("H200", 989.0),
+    ("A100", 312.0),
+)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--model", choices=sorted(MODELS))
+    p.add_argument("--num-layers", type=int, help="override the model's layer count")
+    p.add_argument("--prompts", type=int, help="prompts per rollout")
+    p.add_argument("--n", type=int, help="responses per prompt")
+    p.add_argument("--train-batch", type=int, help="responses per optimizer step")
+    p.add_argument("--micro-batch", type=int, help="responses per micro-batch")
+    p.add_argument("--prompt-len", type=int, nargs=2, metavar=("MIN", "MAX"))
+    p.add_argument("--response-len", type=int, nargs=2, metavar=("MIN", "MAX"))
+    p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3))
+    p.add_argument("--dtype", choices=("fp32", "bf16"))
+    p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction)
+    p.add_argument("--packing", action="store_true", help="OpenRLHF's --ds.packing_samples")
+    p.add_argument("--attn", default="sdpa", help="attn_implementation (e.g. flash_attention_2)")
+    p.add_argument("--repeats", type=int, help="timed ppo_train calls, after one warm-up call")
+    p.add_argument("--threads", type=int, help="torch CPU threads per worker (0: torch's default)")
+    p.add_argument("--peak-tflops", type=float, help="bf16 peak to compare with (GPU)")
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    for key, value in DEFAULTS[args.device].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
+def worker_argv(args: argparse.Namespace, method: str) -> list[str]:
+    """The command line of the subprocess that times ``method`` with exactly ``args``."""
+    argv = [sys.executable, __file__, "--worker", method, "--device", args.device]
+    argv += ["--model", args.model, "--attn", args.attn, "--dtype", args.dtype]
+    for flag in ("prompts", "n", "train_batch", "micro_batch", "zero_stage", "repeats", "threads"):
+        argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    for flag in ("prompt_len", "response_len"):
+        argv += [f"--{flag.replace('_', '-')}", *map(str, getattr(args, flag))]
+    if args.num_layers is not None:
+        argv += ["--num-layers", str(args.num_layers)]
+    argv.append(
+        "--gradient-checkpointing" if args.gradient_checkpointing else "--no-gradient-checkpointing"
+    )
+    if args.packing:
+        argv.append("--packing")
+    return argv
+
+
+# ---------------------------------------------------------------- worker (one method) ----
+
+
+def synthetic_rollout(args: argparse.Namespace, vocab: int) -> dict[str, torch.Tensor]:
+    """Right-padded rows of ``prompts x n`` responses in generation order, with 0/1 scores
+    (each prompt has a correct and a wrong one), group ids and GRPO advantages (for PPO)."""
+    from drpo_openrlhf.algo.advantages import group_advantages
+
+    gen = torch.Generator().manual_seed(0)
+    prompts, n = args.prompts, args.n
+    b = prompts * n
+    prompt_len = torch.randint(
+        args.prompt_len[0], args.prompt_len[1] + 1, (prompts,), generator=gen
+    )
+    prompt_len = prompt_len.repeat_interleave(n)
+    response_len = torch.randint(
+        args.response_len[0], args.response_len[1] + 1, (b,), generator=gen
+    )
+    total = prompt_len + response_len
+    positions = torch.arange(int(total.max()))
+    is_prompt = positions < prompt_len[:, None]
+    attention_mask = (positions < total[:, None]).long()
+    prompt_tokens = torch.randint(1, vocab, (prompts, positions.numel()), generator=gen)
+    sequences = torch.randint(1, vocab, (b, positions.numel()), generator=gen)
+    sequences = torch.where(is_prompt, prompt_tokens.repeat_interleave(n, 0), sequences)
+    scores = (torch.rand(b, generator=gen) < 0.5).float()
+    scores[0::n], scores[1::n] = 1.0, 0.0
+    advantages = torch.tensor(
+        [a for g in scores.view(prompts, n) for a in group_advantages(g, "grpo")]
+    )
+    action_mask = (~is_prompt & attention_mask.bool())[:, 1:]
+    return dict(
+        sequences=sequences * attention_mask,
+        attention_mask=attention_mask,
+        action_mask=action_mask,
+        advantages=advantages[:, None] * action_mask,
+        scores=scores,
+        group=torch.arange(prompts).repeat_interleave(n),
+    )
+
+
+def openrlhf_flags(args: argparse.Namespace) -> list[str]:
+    flags = {
+        "--rollout.n_samples_per_prompt": args.n,
+        "--rollout.batch_size": args.prompts,
+        "--rollout.temperature": 0.6,
+        "--rollout.max_new_tokens": args.response_len[1],
+        "--train.batch_size": args.train_batch,
+        "--train.micro_batch_size": args.micro_batch,
+        "--actor.num_gpus_per_node": 1,
+        "--ds.zero_stage": args.zero_stage,
+        "--ds.attn_implementation": args.attn,
+        "--actor.adam.lr": 2e-6,  # the paper's 1.5B settings
+        "--actor.adam.weight_decay": 0.01,
+        "--actor.lr_scheduler": "constant",
+        "--actor.lr_warmup_ratio": 0,
+        "--actor.max_norm": 1.0,
+        "--algo.kl.init_coef": 0,
+    }
+    out = [str(x) for item in flags.items() for x in item]
+    out += ["--actor.adam.betas", "0.9", "0.999"]
+    if args.packing:
+        out.append("--ds.packing_samples")
+    if args.gradient_checkpointing:
+        out.append("--actor.gradient_checkpointing_enable")
+    return out
+
+
+def build_model(args: argparse.Namespace) -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    spec = dict(MODELS[args.model])
+    if args.num_layers is not None:
+        spec["num_hidden_layers"] = args.num_layers
+    config = Qwen2Config(**spec, use_cache=False, attn_implementation=args.attn)
+    torch.manual_seed(0)
+    with torch.device(args.device):  # a 1.5B model initialises in seconds on the GPU
+        model = Qwen2ForCausalLM(config)
+    return model.to(torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+
+
+def sync() -> None:
+    """Wait for queued GPU work, so that wall-clock times are the work's."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def clocks() -> tuple[float, float]:
+    """Wall-clock and process CPU seconds (all threads). CPU time is what a shared machine's
+    load does not inflate, as long as a worker's threads do not wait on each other."""
+    sync()
+    return time.perf_counter(), time.process_time()
+
+
+def timed(fn: Callable, buckets: dict[str, list[float]], name: Callable[[], str | None]):
+    """``fn`` adding its [wall, CPU] seconds to ``buckets[name()]`` (``None``: not timed)."""
+
+    def wrapper(*a, **k):
+        key = name()
+        if key is None:
+            return fn(*a, **k)
+        start = clocks()
+        out = fn(*a, **k)
+        end = clocks()
+        total = buckets.setdefault(key, [0.0, 0.0])
+        total[0] += end[0] - start[0]
+        total[1] += end[1] - start[1]
+        return out
+
+    return wrapper
+
+
+def old_log_probs(actor, data: dict[str, torch.Tensor], micro: int, device: str) -> torch.Tensor:
+    """pi_old's log-probs, as OpenRLHF's experience maker gives them (not timed)."""
+    actor.eval()
+    out = torch.zeros(data["action_mask"].shape)
+    with torch.no_grad():
+        for i in range(0, out.shape[0], micro):
+            rows = slice(i, i + micro)
+            width = int(data["attention_mask"][rows].sum(-1).max())  # trim the common padding
+            out[rows, : width - 1] = actor(
+                data["sequences"][rows, :width].to(device),
+                data["action_mask"][rows, : width - 1].to(device),
+                attention_mask=data["attention_mask"][rows, :width].to(device),
+            ).cpu()
+    return out
+
+
+def rss_mib() -> float:
+    """Current resident set size."""
+    with open("/proc/self/status") as f:
+        line = next(x for x in f if x.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
+def send(kind: str, payload: dict) -> None:
+    """A message to the parent; other stdout lines (DeepSpeed's prints) are ignored."""
+    print(f"{TAG} {kind} {json.dumps(payload)}", flush=True)
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    """Build everything for ``args.worker``, then run one timed ``ppo_train`` per ``run`` line
+    on stdin until ``done``."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    actor_setup.set_rank_env(0, 1, port, args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from drpo_openrlhf.algo import DRPOConfig
+    from drpo_openrlhf.integration import actor_trainer as drpo_module
+
+    strategy = actor_setup.setup_strategy(
+        actor_setup.openrlhf_args(openrlhf_flags(args)), args.dtype, args.device
+    )
+    model = build_model(args)
+    params = sum(p.numel() for p in model.parameters())
+    matmul_params = params - model.get_input_embeddings().weight.numel()
+    steps = args.prompts * args.n // args.train_batch
+    actor, optim, scheduler = actor_setup.prepare_actor(strategy, model, steps * (args.repeats + 1))
+    trainer = actor_setup.ppo_trainer(strategy, actor, optim, scheduler, args.device)
+    if args.worker == "drpo":
+        trainer.__class__ = drpo_module.DRPOActorTrainer
+        trainer.enable_drpo(DRPOConfig())
+    data = synthetic_rollout(args, MODELS[args.model]["vocab_size"])
+    old = old_log_probs(actor, data, args.micro_batch, args.device)
+    trainer.replay_buffer.append(actor_setup.experience(data, old, drpo_module.GROUP_KEY))
+
+    buckets: dict[str, list[float]] = {}
+    with ExitStack() as stack:
+        stack.enter_context(actor_setup.cuda_queries_answered(args.device, "cpu"))
+        if args.worker == "drpo":
+            no_grad = lambda: None if torch.is_grad_enabled() else "scores"  # noqa: E731
+            scalars = drpo_module.DRPOActorTrainer._scalars
+            stack.enter_context(
+                mock.patch.object(
+                    drpo_module.DRPOActorTrainer, "_scalars", timed(scalars, buckets, no_grad)
+                )
+            )
+            for name in ("all_gather_scalars", "loss_coefficients"):
+                fn = timed(getattr(drpo_module, name), buckets, lambda: "exchange")
+                stack.enter_context(mock.patch.object(drpo_module, name, fn))
+        send(
+            "ready",
+            dict(
+                method=args.worker,
+                optimizer_steps=steps,
+                response_tokens=int(data["action_mask"].sum()),
+                tokens=int(data["attention_mask"].sum()),
+                params=params,
+                matmul_params=matmul_params,
+                rss_before_mib=rss_mib(),
+            ),
+        )
+        if args.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        for command in sys.stdin:
+            if command.strip() != "run":
+                break
+            buckets.clear()
+            start = clocks()
+            status = trainer.ppo_train(0.0)
+            end = clocks()
+            if not math.isfinite(status["policy_loss"]):
+                raise RuntimeError(f"{args.worker}: non-finite policy_loss {status}")
+            send("call", dict(wall=end[0] - start[0], cpu=end[1] - start[1], split=buckets))
+    peaks = dict(peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    if args.device == "cuda":
+        peaks.update(
+            peak_cuda_gib=torch.cuda.max_memory_allocated() / 2**30,
+            gpu=torch.cuda.get_device_name(),
+        )
+    send("result", peaks)
+
+
+# ---------------------------------------------------------------- parent (report) ----
+
+
+class Worker:
+    """One method's subprocess, driven one ``ppo_train`` call at a time."""
+
+    def __init__(self, args: argparse.Namespace, method: str) -> None:
+        self.method = method
+        self.tail: deque[str] = deque(maxlen=200)  # its last output lines, shown if it fails
+        env = os.environ | {"TORCHDYNAMO_DISABLE": "1", "HF_HUB_OFFLINE": "1"}
+        self.proc = subprocess.Popen(
+            worker_argv(args, method),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+
+    def ask(self, command: str | None, kind: str) -> dict:
+        """Send ``command`` (if any) and wait for the worker's ``kind`` message."""
+        if command:
+            self.proc.stdin.write(command + "\n")
+            self.proc.stdin.flush()
+        for line in self.proc.stdout:
+            if line.startswith(f"{TAG} {kind} "):
+                return json.loads(line.split(" ", 2)[2])
+            self.tail.append(line)
+        self.proc.wait()
+        sys.stderr.write("".join(self.tail))
+        raise SystemExit(f"the {self.method} worker exited ({self.proc.returncode})")
+
+
+def measure(args: argparse.Namespace) -> list[dict]:
+    """Each method's static facts, timed calls (warm-up dropped) and peak memory.
+
+    On CPU both workers live at once and take turns, one call each, alternating who goes
+    first: a shared machine's changing load then hits both alike. On a GPU they run one
+    after the other, as two resident 1.5B trainers would not fit together."""
+    batches = [args.methods] if args.device == "cpu" else [[m] for m in args.methods]
+    results = []
+    for methods in batches:
+        workers = [Worker(args, m) for m in methods]
+        facts = [w.ask(None, "ready") for w in workers]
+        calls: dict[str, list[dict]] = {m: [] for m in methods}
+        for turn in range(args.repeats + 1):
+            for w in workers[::-1] if turn % 2 else workers:
+                calls[w.method].append(w.ask("run", "call"))
+        for w, fact in zip(workers, facts, strict=True):
+            results.append(fact | w.ask("done", "result") | {"calls": calls[w.method][1:]})
+            w.proc.wait()
+    return results
+
+
+def summarise(result: dict, peak_tflops: float | None) -> dict[str, float]:
+    """The reported quantities of one method (medians over the timed calls)."""
+    wall = statistics.median(c["wall"] for c in result["calls"])
+    steps, tokens = result["optimizer_steps"], result["response_tokens"]
+    row = {"wall s per ppo_train": wall, "wall s per optimizer step": wall / steps}
+    if "gpu" not in result:
+        cpu = statistics.median(c["cpu"] for c in result["calls"])
+        row |= {"CPU s per ppo_train": cpu, "CPU s per optimizer step": cpu / steps}
+        row["response tokens per CPU s"] = tokens / cpu
+    row["response tokens/s"] = tokens / wall
+    row["peak RSS MiB"] = result["peak_rss_mib"]
+    row["RSS growth in update MiB"] = result["peak_rss_mib"] - result["rss_before_mib"]
+    if "gpu" in result:
+        row["peak CUDA alloc GiB"] = result["peak_cuda_gib"]
+        # 6 N FLOP per token for one forward+backward; DRPO's extra no-grad forward is
+        # overhead, not model FLOPs, and attention's own FLOPs are left out as usual.
+        tflops = 6 * result["matmul_params"] * result["tokens"] / wall / 1e12
+        row["model TFLOP/s"] = tflops
+        if peak_tflops:
+            row["MFU %"] = 100 * tflops / peak_tflops
+    return row
+
+
+def drpo_split(result: dict) -> list[str]:
+    """DRPO's median call split into scores pass, exchange and gradient pass, in CPU seconds
+    on CPU (robust to other load) and wall seconds on a GPU."""
+    clock = "wall" if "gpu" in result else "cpu"
+    pick = 0 if clock == "wall" else 1
+    calls = result["calls"]
+    total = statistics.median(c[clock] for c in calls)
+    scores = statistics.median(c["split"].get("scores", [0.0, 0.0])[pick] for c in calls)
+    exchange = statistics.median(c["split"].get("exchange", [0.0, 0.0])[pick] for c in calls)
+    grad = total - scores - exchange
+    steps = result["optimizer_steps"]
+    return [
+        f"DRPO split of a ppo_train call ({clock} seconds, medians):",
+        f"  scores pass (no-grad forwards, steps 2..{steps}) {scores:8.3f} {scores / total:6.1%}",
+        f"  exchange (all-gather, loss_coefficients)   {exchange:8.3f} {exchange / total:6.1%}",
+        f"  gradient pass (fwd+bwd+optimizer, rest)    {grad:8.3f} {grad / total:6.1%}",
+        f"  scores pass / gradient pass = {scores / grad:.3f} over the call, "
+        f"{scores / grad * steps / (steps - 1):.3f} on a step that has one",
+    ]
+
+
+def number(value: float) -> str:
+    return f"{value:12,.0f}" if abs(value) >= 1000 else f"{value:12.4g}"
+
+
+def report(args: argparse.Namespace, results: list[dict], load: tuple[float, float]) -> str:
+    first = results[0]
+    peak = args.peak_tflops
+    if peak is None and "gpu" in first:
+        peak = next((p for key, p in BF16_PEAK_TFLOPS if key in first["gpu"]), None)
+    rows = {r["method"]: summarise(r, peak) for r in results}
+    both = len(rows) == 2
+    device = (
+        f"{first['gpu']}, bf16 peak {peak} TFLOP/s"
+        if "gpu" in first
+        else (
+            f"{os.cpu_count()} CPU cores, load average {load[0]:.1f} before / {load[1]:.1f} after"
+        )
+    )
+    lines = [
+        f"device {args.device} ({device})",
+        f"model {args.model}: {first['params'] / 1e6:.1f}M parameters "
+        f"({first['matmul_params'] / 1e6:.1f}M without the input embedding)",
+        f"rollout {args.prompts} prompts x {args.n} = {args.prompts * args.n} responses, "
+        f"{first['response_tokens']} response / {first['tokens']} total tokens; "
+        f"{first['optimizer_steps']} optimizer steps of {args.train_batch}, "
+        f"micro-batch {args.micro_batch}",
+        f"ZeRO-{args.zero_stage}, {args.dtype}, gradient checkpointing "
+        f"{'on' if args.gradient_checkpointing else 'off'}, "
+        f"{'packed' if args.packing else 'padded'}, attn {args.attn}; "
+        f"median of {args.repeats} calls after 1 warm-up",
+        "",
+        f"{'':28}" + "".join(f"{m.upper():>12}" for m in rows) + ("    DRPO/PPO" if both else ""),
+    ]
+    for key in rows[first["method"]]:
+        line = f"{key:28}" + "".join(number(row[key]) for row in rows.values())
+        lines.append(line + (f"{rows['drpo'][key] / rows['ppo'][key]:12.3f}" if both else ""))
+    for r in results:
+        calls = ", ".join(f"{c['wall']:.2f}/{c['cpu']:.2f}" for c in r["calls"])
+        lines.append(f"{r['method']} calls, wall/CPU s: {calls}")
+    drpo = [r for r in results if r["method"] == "drpo"]
+    if drpo and drpo[0]["optimizer_steps"] > 1:
+        lines += ["", *drpo_split(drpo[0])]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        run_worker(args)
+        return
+    load_before = os.getloadavg()[0]
+    results = measure(args)
+    print(report(args, results, (load_before, os.getloadavg()[0])))
+    if args.json:
+        setup = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+        args.json.write_text(json.dumps({"args": setup, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
