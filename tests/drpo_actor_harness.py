@@ -197,7 +197,11 @@ def reference_weights(case: Case, world: int) -> tuple[list[torch.Tensor], list[
         slices = [rank_slice(case, r, world) for r in range(world)]
         plans = [
             plan_optimizer_steps(
-                data["group"][sl].tolist(), N, layout, allow_partial=case.short > 0
+                data["group"][sl].tolist(),
+                N,
+                layout,
+                lengths=data["attention_mask"][sl].sum(-1).tolist(),
+                allow_partial=case.short > 0,
             )
             for sl in slices
         ]

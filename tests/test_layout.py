@@ -77,3 +77,11 @@ def test_dynamic_layout_needs_only_whole_groups_per_step():
     paper_layout(world_size=64, micro_batch_size=3, dynamic_batching=True).check()
     with pytest.raises(LayoutError, match="multiple of n_samples_per_prompt"):
         paper_layout(train_batch_size=252, dynamic_batching=True).check()
+
+
+def test_given_lengths_each_step_is_cut_longest_first():
+    layout = Layout(1, 2, 4, 4, 2)
+    ids = [1, 1, 2, 2, 3, 3, 4, 4]
+    lengths = [5, 50, 7, 40, 9, 9, 30, 1]
+    plan = plan_optimizer_steps(ids, 2, layout, lengths=lengths)
+    assert plan == [[[1, 3], [2, 0]], [[6, 4], [5, 7]]]  # groups per step unchanged

@@ -136,6 +136,7 @@ class DRPOActorTrainer(ActorPPOTrainer):
                 group_ids,
                 self.drpo_layout.n_samples_per_prompt,
                 self.drpo_layout,
+                lengths=[int(item.attention_mask.sum()) for item in items],
                 allow_partial=partial,
             )
             plan = plan[: self._all_reduce(len(plan), dist.ReduceOp.MIN)]

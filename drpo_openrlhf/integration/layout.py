@@ -145,15 +145,18 @@ def plan_optimizer_steps(
     n_samples_per_prompt: int,
     layout: Layout,
     *,
+    lengths: Sequence[int] | None = None,
     allow_partial: bool = False,
 ) -> list[list[list[int]]]:
     """Plan one rank's replay buffer: ``steps[k][j]`` lists the items of micro-batch ``j`` of
     optimizer step ``k``.
 
-    Items are ordered by prompt group (stable), so each step holds whole groups. Raises
-    ``LayoutError`` if a group is incomplete on this rank or the items do not fill a whole
-    number of steps: both would silently change the objective. With ``allow_partial`` such
-    items are left out of the plan instead (the caller reports them).
+    Items are ordered by prompt group (stable), so each step holds whole groups. Within a step,
+    given ``lengths`` (tokens per item), items are sorted longest first before being cut into
+    micro-batches, so that each micro-batch pads to similar lengths (the objective does not
+    depend on the cut). Raises ``LayoutError`` if a group is incomplete on this rank or the
+    items do not fill a whole number of steps: both would silently change the objective. With
+    ``allow_partial`` such items are left out of the plan instead (the caller reports them).
     """
     keep = set(_whole_groups(group_ids, n_samples_per_prompt, "on this rank", allow_partial))
     order = sorted(
@@ -163,7 +166,10 @@ def plan_optimizer_steps(
     per_step = layout.samples_per_step
     _check_fill(len(order), per_step, "on this rank", allow_partial)
     micro = layout.micro_batch_size
-    return [
-        [order[s + m : s + m + micro] for m in range(0, per_step, micro)]
-        for s in range(0, len(order) - per_step + 1, per_step)
-    ]
+    plan = []
+    for s in range(0, len(order) - per_step + 1, per_step):
+        step = order[s : s + per_step]
+        if lengths is not None:
+            step = sorted(step, key=lambda i: -lengths[i])
+        plan.append([step[m : m + micro] for m in range(0, per_step, micro)])
+    return plan
