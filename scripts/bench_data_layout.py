@@ -5,10 +5,10 @@ generation budget) is laid out per data-parallel rank as
 
 - *OpenRLHF*: each rank's contiguous share of the rollout, shuffled (``ActorPPOTrainer``'s
   ``DataLoader(shuffle=True, drop_last=True)``) into micro-batches of ``--micro-batch``;
-- *DRPO*: ``plan_optimizer_steps`` (whole prompt groups per optimizer step, sorted by group),
-  plus the no-grad scores pass DRPO runs on every optimizer step but the first of a rollout;
-- *DRPO sorted*: the same steps, each re-cut into micro-batches longest response first (a
-  possible change to the plan, not what ``layout.py`` does today);
+- *DRPO*: ``plan_optimizer_steps`` without lengths (whole prompt groups per step, cut in
+  group order), plus the no-grad scores pass DRPO runs on every step but a rollout's first;
+- *DRPO sorted*: the same steps, each cut into micro-batches longest response first (what
+  the DRPO actor does: it passes the lengths to ``plan_optimizer_steps``);
 
 each padded (a micro-batch is as wide as its longest row) or packed (no padding; a micro-batch
 costs its token count); and, packed, under dynamic batching (``--train.dynamic_batch_enable``:
@@ -75,16 +75,12 @@ def drpo_micro_steps(
 ) -> tuple[list[list[int]], list[list[int]]]:
     """One rank's gradient-pass micro-batches and its scores-pass (no-grad) micro-batches.
 
-    ``by_length`` re-cuts each optimizer step's responses longest first: still whole groups
-    per step, and the split gradient is exact for any micro-batching within a step."""
+    ``by_length`` passes the lengths to ``plan_optimizer_steps``, which then cuts each
+    optimizer step longest first (what the DRPO actor does): still whole groups per step."""
     groups = [i // rollout.n for i in items]
-    plan = plan_optimizer_steps(groups, rollout.n, layout)
+    lengths = [rollout.lengths[i] for i in items] if by_length else None
+    plan = plan_optimizer_steps(groups, rollout.n, layout, lengths=lengths)
     steps = [[[items[i] for i in mb] for mb in step] for step in plan]
-    if by_length:
-        micro = layout.micro_batch_size
-        for k, step in enumerate(steps):
-            order = sorted((i for mb in step for i in mb), key=lambda i: -rollout.lengths[i])
-            steps[k] = [order[j : j + micro] for j in range(0, len(order), micro)]
     return [mb for step in steps for mb in step], [mb for step in steps[1:] for mb in step]
 
 
