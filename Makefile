@@ -11,7 +11,7 @@ export TORCHDYNAMO_DISABLE := 1
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv test lint format clean
+.PHONY: venv test lint format clean demo
 
 venv: $(STAMP)
 
@@ -33,6 +33,10 @@ format: $(STAMP)
 
 test: lint
 	$(PY) -m pytest
+
+# DRPO vs a length-penalised baseline on a toy task, CPU only (docs/demo.md).
+demo: $(STAMP)
+	$(PY) -m drpo_openrlhf.local.demo
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
