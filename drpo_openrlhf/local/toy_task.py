@@ -100,20 +100,6 @@ def sample_problem(rng: random.Random, config: ToyTaskConfig) -> ToyProblem:
     return ToyProblem(tuple(rng.randint(1, config.max_operand) for _ in range(terms)))
 
 
-def sample_problems(
-    rng: random.Random, config: ToyTaskConfig, count: int, exclude: set[str] = frozenset()
-) -> list[ToyProblem]:
-    """``count`` distinct problems whose prompts are not in ``exclude`` (held-out sets)."""
-    seen = set(exclude)
-    problems: list[ToyProblem] = []
-    while len(problems) < count:
-        problem = sample_problem(rng, config)
-        if problem.prompt not in seen:
-            seen.add(problem.prompt)
-            problems.append(problem)
-    return problems
-
-
 def sample_traces(
     rng: random.Random, config: ToyTaskConfig, problems: list[ToyProblem]
 ) -> Iterator[tuple[str, str]]:
