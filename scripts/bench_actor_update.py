@@ -122,6 +122,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("fp32", "bf16"))
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction)
     p.add_argument("--packing", action="store_true", help="OpenRLHF's --ds.packing_samples")
+    p.add_argument(
+        "--kl-estimate",
+        choices=("minibatch", "microstep"),
+        default="minibatch",
+        help="DRPO's --drpo.kl_estimate; microstep with a micro-batch that is a multiple of n\n"
+        "runs the one-pass update (no scores pass)",
+    )
     p.add_argument("--attn", default="sdpa", help="attn_implementation (e.g. flash_attention_2)")
     p.add_argument("--repeats", type=int, help="timed ppo_train calls, after one warm-up call")
     p.add_argument("--threads", type=int, help="torch CPU threads per worker (0: torch's default)")
@@ -140,6 +147,7 @@ def worker_argv(args: argparse.Namespace, method: str) -> list[str]:
     """The command line of the subprocess that times ``method`` with exactly ``args``."""
     argv = [sys.executable, __file__, "--worker", method, "--device", args.device]
     argv += ["--model", args.model, "--attn", args.attn, "--dtype", args.dtype]
+    argv += ["--kl-estimate", args.kl_estimate]
     for flag in ("prompts", "n", "train_batch", "micro_batch", "zero_stage", "repeats", "threads"):
         argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     for flag in ("prompt_len", "response_len"):
@@ -317,7 +325,7 @@ def run_worker(args: argparse.Namespace) -> None:
     trainer = actor_setup.ppo_trainer(strategy, actor, optim, scheduler, args.device)
     if args.worker == "drpo":
         trainer.__class__ = drpo_module.DRPOActorTrainer
-        trainer.enable_drpo(DRPOConfig())
+        trainer.enable_drpo(DRPOConfig(kl_estimate=args.kl_estimate))
     data = synthetic_rollout(args, MODELS[args.model]["vocab_size"])
     old = old_log_probs(actor, data, args.micro_batch, args.device)
     trainer.replay_buffer.append(actor_setup.experience(data, old, drpo_module.GROUP_KEY))
@@ -333,7 +341,7 @@ def run_worker(args: argparse.Namespace) -> None:
                     drpo_module.DRPOActorTrainer, "_scalars", timed(scalars, buckets, no_grad)
                 )
             )
-            for name in ("all_gather_scalars", "loss_coefficients"):
+            for name in ("all_gather_scalars", "loss_coefficients", "microstep_coefficients"):
                 fn = timed(getattr(drpo_module, name), buckets, lambda: "exchange")
                 stack.enter_context(mock.patch.object(drpo_module, name, fn))
         send(
@@ -341,6 +349,7 @@ def run_worker(args: argparse.Namespace) -> None:
             dict(
                 method=args.worker,
                 optimizer_steps=steps,
+                one_pass=getattr(trainer, "drpo_one_pass", None),
                 response_tokens=int(data["action_mask"].sum()),
                 tokens=int(data["attention_mask"].sum()),
                 params=params,
@@ -460,11 +469,15 @@ def drpo_split(result: dict) -> list[str]:
     return [
         f"DRPO split of a ppo_train call ({clock} seconds, medians):",
         f"  scores pass (no-grad forwards, steps 2..{steps}) {scores:8.3f} {scores / total:6.1%}",
-        f"  exchange (all-gather, loss_coefficients)   {exchange:8.3f} {exchange / total:6.1%}",
+        f"  exchange (all-gather, coefficients)        {exchange:8.3f} {exchange / total:6.1%}",
         f"  gradient pass (fwd+bwd+optimizer, rest)    {grad:8.3f} {grad / total:6.1%}",
         f"  scores pass / gradient pass = {scores / grad:.3f} over the call, "
         f"{scores / grad * steps / (steps - 1):.3f} on a step that has one",
     ]
+
+
+def _one_pass(results: list[dict]) -> bool:
+    return any(r.get("one_pass") for r in results)
 
 
 def number(value: float) -> str:
@@ -497,6 +510,8 @@ def report(args: argparse.Namespace, results: list[dict], load: tuple[float, flo
         f"{'on' if args.gradient_checkpointing else 'off'}, "
         f"{'packed' if args.packing else 'padded'}, attn {args.attn}; "
         f"median of {args.repeats} calls after 1 warm-up",
+        f"DRPO kl_estimate {args.kl_estimate}: "
+        + ("one-pass update" if _one_pass(results) else "scores pass + gradient pass"),
         "",
         f"{'':28}" + "".join(f"{m.upper():>12}" for m in rows) + ("    DRPO/PPO" if both else ""),
     ]

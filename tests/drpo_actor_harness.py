@@ -142,6 +142,18 @@ def drpo_config(case: Case):
     return DRPOConfig(kl_estimate=case.kl_estimate, max_len=8)
 
 
+def count_forwards(module: torch.nn.Module) -> list[int]:
+    """A list that grows by one at every forward of ``module``."""
+    calls: list[int] = []
+    module.register_forward_pre_hook(lambda *_: calls.append(1))
+    return calls
+
+
+def one_pass_expected(case: Case) -> bool:
+    """The actor's one-pass update applies: micro-step KL and micro-batches of whole groups."""
+    return case.kl_estimate == "microstep" and not case.dynamic and case.micro_batch_size % N == 0
+
+
 def run_rank(rank: int, world: int, port: int, cases: list[Case], out_dir: str) -> None:
     """One data-parallel rank: OpenRLHF strategy + actor + trainer, DRPO's ppo_train."""
     actor_setup.set_rank_env(rank, world, port)
@@ -160,15 +172,20 @@ def run_rank(rank: int, world: int, port: int, cases: list[Case], out_dir: str) 
         trainer.enable_drpo(drpo_config(case))
         local_data = {k: v[local] for k, v in data.items()}
         trainer.replay_buffer.append(actor_setup.experience(local_data, old[local], GROUP_KEY))
+        forwards = count_forwards(actor)
         with actor_setup.cuda_queries_answered("cpu", "cpu"):
             status = trainer.ppo_train(0.0)
         params = list(actor.model.module.parameters())
         with deepspeed.zero.GatheredParameters(params, enabled=case.zero_stage == 3):
             weights = [p.detach().clone().double() for p in params]
         if rank == 0:
-            torch.save(
-                {"weights": weights, "status": status}, os.path.join(out_dir, case.name + ".pt")
-            )
+            result = {
+                "weights": weights,
+                "status": status,
+                "one_pass": trainer.drpo_one_pass,
+                "forwards": len(forwards),
+            }
+            torch.save(result, os.path.join(out_dir, case.name + ".pt"))
         torch.distributed.barrier()
 
 
@@ -202,6 +219,7 @@ def reference_weights(case: Case, world: int) -> tuple[list[torch.Tensor], list[
                 layout,
                 lengths=data["attention_mask"][sl].sum(-1).tolist(),
                 allow_partial=case.short > 0,
+                whole_groups_per_micro_batch=one_pass_expected(case),
             )
             for sl in slices
         ]

@@ -9,6 +9,7 @@ from drpo_openrlhf.algo import (
     DRPOConfig,
     ResponseScalars,
     loss_coefficients,
+    microstep_coefficients,
     minibatch_loss,
     response_scalars,
     surrogate_loss,
@@ -109,6 +110,86 @@ def test_split_gradient_is_exact(seed, micro_size, kl_estimate, lam):
     assert metrics["hinge_active"] > 0
     assert metrics["loss"].item() == pytest.approx(loss.item(), rel=1e-12, abs=1e-12)
     assert torch.allclose(split, whole, rtol=1e-10, atol=1e-12)
+
+
+def group_micro_batches(seed: int, num_prompts: int, n: int) -> list[torch.Tensor]:
+    """Micro-batches of whole groups: a random partition of shuffled prompts, rows shuffled."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = torch.randperm(num_prompts, generator=gen)
+    cuts = sorted(torch.randperm(num_prompts - 1, generator=gen)[:2].add(1).tolist())
+    parts = torch.tensor_split(prompts, cuts)
+    rows = [(p[:, None] * n + torch.arange(n)).flatten() for p in parts]
+    return [r[torch.randperm(len(r), generator=gen)] for r in rows]
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"lam": math.inf},
+        {"penalty_form": "paper", "lam": 0.05},
+        {"keep_all_wrong": True, "all_correct_length_signal": True},
+        {"lambda_by_pass_rate": True, "length_reward": "cosine"},
+    ],
+    ids=str,
+)
+def test_one_pass_microstep_gradient_is_exact(seed, options):
+    """With whole groups per micro-step, each micro-step's own scalars give its coefficients:
+    one forward and backward per micro-batch reproduce the one-piece gradient."""
+    num_prompts, n = 7, 4
+    rollout = make_rollout(seed, num_prompts, n)
+    features, tokens, mask, correct, group_ids = rollout
+    policy = ToyPolicy(seed)
+    with torch.no_grad():
+        old_log_probs = ToyPolicy(seed + 50)(features, tokens)
+    config = DRPOConfig(kl_estimate="microstep", **options)
+    micro_batches = group_micro_batches(seed, num_prompts, n)
+
+    policy.zero_grad()
+    for k, idx in enumerate(micro_batches):
+        r = response_scalars(
+            policy(features[idx], tokens[idx]),
+            old_log_probs[idx],
+            mask[idx],
+            correct[idx],
+            group_ids[idx],
+            k,
+        )
+        score_coef, kl_coef = microstep_coefficients(
+            r, config, MAX_T, num_groups=num_prompts, num_microsteps=len(micro_batches)
+        )
+        surrogate_loss(r.score, r.kl_sum, score_coef, kl_coef).backward()
+    one_pass = policy.weight.grad.clone()
+    whole, _ = one_piece_gradient(policy, old_log_probs, rollout, micro_batches, config)
+    assert whole.abs().max() > 1e-3
+    assert torch.allclose(one_pass, whole, rtol=1e-10, atol=1e-12)
+
+
+def test_microstep_coefficients_refuse_what_they_cannot_split():
+    rollout = make_rollout(0, 2, 2)
+    features, tokens, mask, correct, group_ids = rollout
+    policy = ToyPolicy(0)
+    with torch.no_grad():
+        lp = policy(features, tokens)
+    r = response_scalars(lp, lp, mask, correct, group_ids)
+    with pytest.raises(ValueError, match="kl_estimate='microstep'"):
+        microstep_coefficients(r, DRPOConfig(), MAX_T, 2, 1)
+    two_steps = ResponseScalars.concat(
+        [
+            response_scalars(
+                lp[i : i + 2],
+                lp[i : i + 2],
+                mask[i : i + 2],
+                correct[i : i + 2],
+                group_ids[i : i + 2],
+                i // 2,
+            )
+            for i in (0, 2)
+        ]
+    )
+    with pytest.raises(ValueError, match="one micro-step"):
+        microstep_coefficients(two_steps, DRPOConfig(kl_estimate="microstep"), MAX_T, 2, 2)
 
 
 def test_minibatch_kl_estimate_does_not_depend_on_micro_batching():

@@ -13,18 +13,27 @@ from drpo_actor_harness import (
     TRAIN_BATCH,
     Case,
     N,
+    one_pass_expected,
     reference_weights,
     run_rank,
     tiny_model,
 )
 
 CASES = {
-    1: [Case(0, 1), Case(2, 4), Case(3, 16), Case(2, 2, packing=True)],
+    1: [
+        Case(0, 1),
+        Case(2, 4),
+        Case(3, 16),
+        Case(2, 2, packing=True),
+        Case(2, 8, kl_estimate="microstep"),
+    ],
     2: [
         Case(2, 1),
         Case(3, 2),
         Case(3, 8, packing=True),
         Case(2, 4, kl_estimate="microstep"),
+        Case(3, 4, packing=True, kl_estimate="microstep"),
+        Case(2, 2, kl_estimate="microstep"),
         Case(3, 1, packing=True, dynamic=True),
         Case(2, 2, short=6),
     ],
@@ -63,3 +72,20 @@ def test_drpo_update_matches_one_piece_reference(distributed_results, world, cas
     trained = len(losses) * TRAIN_BATCH
     assert got["status"]["drpo/dropped_responses"] == PROMPTS * N - case.short - trained
     assert got["status"]["policy_loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("world", "case"),
+    [(w, c) for w, cases in CASES.items() for c in cases if not c.dynamic and not c.short],
+    ids=str,
+)
+def test_one_pass_update_skips_the_scores_pass(distributed_results, world, case):
+    """Forwards per rank: one per micro-batch in one-pass mode; otherwise the scores pass adds
+    as many again on every optimizer step but the rollout's first."""
+    got = distributed_results[world, case]
+    assert got["one_pass"] == one_pass_expected(case)
+    steps = PROMPTS * N // TRAIN_BATCH
+    micro_steps = TRAIN_BATCH // world // case.micro_batch_size
+    scores_pass = 0 if got["one_pass"] else (steps - 1) * micro_steps
+    assert got["forwards"] == steps * micro_steps + scores_pass

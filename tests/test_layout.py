@@ -85,3 +85,23 @@ def test_given_lengths_each_step_is_cut_longest_first():
     lengths = [5, 50, 7, 40, 9, 9, 30, 1]
     plan = plan_optimizer_steps(ids, 2, layout, lengths=lengths)
     assert plan == [[[1, 3], [2, 0]], [[6, 4], [5, 7]]]  # groups per step unchanged
+
+
+def test_whole_group_micro_batches_are_sorted_by_longest_member():
+    layout = Layout(1, 2, 6, 6, 2)
+    ids = [1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6]
+    lengths = [5, 50, 7, 60, 9, 9, 30, 1, 2, 3, 4, 80]
+    plan = plan_optimizer_steps(ids, 2, layout, lengths=lengths, whole_groups_per_micro_batch=True)
+    assert plan == [[[2, 3], [0, 1], [4, 5]], [[10, 11], [6, 7], [8, 9]]]
+    assert layout.groups_fit_micro_batches
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [Layout(1, 4, 4, 8, 2), Layout(1, 4, 4, 8, 6), Layout(2, 4, 4, 8, 4, dynamic_batching=True)],
+    ids=["smaller", "not-a-multiple", "dynamic"],
+)
+def test_micro_batches_that_cannot_hold_whole_groups_are_refused(layout):
+    assert not layout.groups_fit_micro_batches
+    with pytest.raises(LayoutError, match="cannot hold whole groups"):
+        plan_optimizer_steps([0] * 4, 4, layout, whole_groups_per_micro_batch=True)

@@ -8,6 +8,7 @@ from drpo_openrlhf.algo.length_reward import LENGTH_REWARDS, length_reward
 from drpo_openrlhf.algo.minibatch import (
     ResponseScalars,
     loss_coefficients,
+    microstep_coefficients,
     minibatch_loss,
     response_scalars,
     surrogate_loss,
@@ -29,6 +30,7 @@ __all__ = [
     "kl_sums",
     "length_reward",
     "loss_coefficients",
+    "microstep_coefficients",
     "minibatch_loss",
     "pass_rate_lambda",
     "positive_log_weights",

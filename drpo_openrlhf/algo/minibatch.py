@@ -149,6 +149,28 @@ def loss_coefficients(
     return score_coef, kl_coef, metrics
 
 
+def microstep_coefficients(
+    r: ResponseScalars, config: DRPOConfig, max_len: float, num_groups: int, num_microsteps: int
+) -> tuple[Tensor, Tensor]:
+    """``dL/ds_i`` and ``dL/dkl_i`` of the mini-batch loss from the scalars of one global
+    micro-step alone, for ``kl_estimate="microstep"`` when every prompt group of the
+    mini-batch lies inside one micro-step.
+
+    Then a micro-step's responses meet the rest of the mini-batch only through the
+    normalisers: the objective is a sum over groups divided by the mini-batch's
+    ``num_groups``, the penalty a sum over micro-steps divided by ``num_microsteps``. The
+    coefficients of the micro-step's own loss are rescaled accordingly, so no scores pass over
+    the whole mini-batch is needed before the first backward.
+    """
+    if config.kl_estimate != "microstep":
+        raise ValueError("per-micro-step coefficients need kl_estimate='microstep'")
+    if r.microstep.unique().numel() != 1:
+        raise ValueError("microstep_coefficients takes the responses of one micro-step")
+    local_groups = r.group_id.unique().numel()
+    score_coef, kl_coef, _ = loss_coefficients(r, config, max_len)
+    return score_coef * (local_groups / num_groups), kl_coef / num_microsteps
+
+
 def surrogate_loss(score: Tensor, kl_sum: Tensor, score_coef: Tensor, kl_coef: Tensor) -> Tensor:
     """Linear stand-in whose gradient is this micro-batch's share of ``grad L``."""
     dtype = score.dtype

@@ -11,6 +11,11 @@ Each optimizer step takes whole prompt groups (``layout.plan_optimizer_steps``) 
 3. *gradient pass*: each micro-batch back-propagates ``surrogate_loss``, scaled to undo
    DeepSpeed's ``1/GAS`` and data-parallel mean. The accumulated gradient is exactly the
    gradient of the paper's objective over the mini-batch.
+
+*One pass*: with ``kl_estimate="microstep"`` and micro-batches that hold whole groups, a
+micro-step's scalars alone give its coefficients (``microstep_coefficients``), so each
+micro-batch is forwarded once, its scalars gathered, and back-propagated at once: no scores
+pass, the cost of a PPO update.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from drpo_openrlhf.algo import (
     DRPOConfig,
     ResponseScalars,
     loss_coefficients,
+    microstep_coefficients,
     response_scalars,
     surrogate_loss,
 )
@@ -68,8 +74,8 @@ def all_gather_scalars(local: ResponseScalars) -> tuple[ResponseScalars, int]:
     first and the columns padded to the largest count for the collective."""
     columns = torch.stack(
         [
-            local.score.double(),
-            local.kl_sum.double(),
+            local.score.detach().double(),
+            local.kl_sum.detach().double(),
             local.num_tokens.double(),
             local.correct.double(),
             local.group_id.double(),
@@ -97,6 +103,7 @@ class DRPOActorTrainer(ActorPPOTrainer):
     drpo: DRPOConfig
     drpo_max_len: int
     drpo_layout: Layout
+    drpo_one_pass: bool  # see the module docstring
 
     def enable_drpo(self, config: DRPOConfig) -> None:
         args = self.args
@@ -112,6 +119,9 @@ class DRPOActorTrainer(ActorPPOTrainer):
             dynamic_batching=args.train.dynamic_batch_enable,
         )
         self.drpo_layout.check()
+        self.drpo_one_pass = (
+            config.kl_estimate == "microstep" and self.drpo_layout.groups_fit_micro_batches
+        )
         if self.drpo_layout.dynamic_batching:
             return
         if self.drpo_layout.micro_steps != self.strategy.accumulated_gradient:
@@ -138,6 +148,7 @@ class DRPOActorTrainer(ActorPPOTrainer):
                 self.drpo_layout,
                 lengths=[int(item.attention_mask.sum()) for item in items],
                 allow_partial=partial,
+                whole_groups_per_micro_batch=self.drpo_one_pass,
             )
             plan = plan[: self._all_reduce(len(plan), dist.ReduceOp.MIN)]
         planned = sum(len(mb) for step in plan for mb in step)
@@ -215,33 +226,70 @@ class DRPOActorTrainer(ActorPPOTrainer):
             microstep,
         )
 
-    def _drpo_optimizer_step(self, batches: list, *, policy_is_old: bool) -> dict[str, float]:
-        start = time.perf_counter()
-        device = self._device()
-        for batch in batches:
-            batch.to_device(device)
-        self.actor.train()
+    def _two_pass_backward(
+        self, batches: list, policy_is_old: bool
+    ) -> tuple[ResponseScalars, Tensor, dict[str, Tensor]]:
+        """Scores pass over the whole step, coefficients, then one backward per micro-batch."""
         with torch.no_grad():
             local = ResponseScalars.concat(
                 [self._scalars(b, j, use_old=policy_is_old) for j, b in enumerate(batches)]
             )
         gathered, offset = all_gather_scalars(local)
         score_coef, kl_coef, metrics = loss_coefficients(gathered, self.drpo, self.drpo_max_len)
-        dynamic = self.drpo_layout.dynamic_batching
-        # undo DeepSpeed's 1/GAS (GAS is 1 under dynamic batching) and data-parallel mean
-        scale = (1 if dynamic else len(batches)) * dist.get_world_size()
         for j, batch in enumerate(batches):
             r = self._scalars(batch, j, use_old=False)
             end = offset + r.score.numel()
-            loss = surrogate_loss(
-                r.score, r.kl_sum, score_coef[offset:end].to(device), kl_coef[offset:end].to(device)
-            )
-            self.strategy.backward(loss * scale, self.actor, self.actor_optim)
-            if not dynamic or j == len(batches) - 1:  # otherwise DeepSpeed finds the boundary
-                self.strategy.optimizer_step(self.actor_optim, self.actor, self.actor_scheduler)
-                if self.ema_model:  # as OpenRLHF's training_step: acts at the boundary
-                    self.strategy.moving_average(self.actor, self.ema_model, self.ema_beta, "cuda")
+            self._accumulate(r, score_coef[offset:end], kl_coef[offset:end], j, len(batches))
             offset = end
+        return gathered, score_coef, metrics
+
+    def _one_pass_backward(
+        self, batches: list
+    ) -> tuple[ResponseScalars, Tensor, dict[str, Tensor]]:
+        """Per micro-batch: forward, gather its micro-step's scalars, backward (whole groups)."""
+        n = self.drpo_layout.n_samples_per_prompt
+        num_groups = self.drpo_layout.train_batch_size // n
+        parts = []
+        for j, batch in enumerate(batches):
+            r = self._scalars(batch, j, use_old=False)
+            if (r.group_id.unique(return_counts=True)[1] != n).any():
+                raise LayoutError(f"micro-batch {j} does not hold whole prompt groups")
+            gathered, offset = all_gather_scalars(r)
+            score_coef, kl_coef = microstep_coefficients(
+                gathered, self.drpo, self.drpo_max_len, num_groups, len(batches)
+            )
+            end = offset + r.score.numel()
+            self._accumulate(r, score_coef[offset:end], kl_coef[offset:end], j, len(batches))
+            parts.append(gathered)
+        gathered = ResponseScalars.concat(parts)
+        score_coef, _, metrics = loss_coefficients(gathered, self.drpo, self.drpo_max_len)
+        return gathered, score_coef, metrics
+
+    def _accumulate(
+        self, r: ResponseScalars, score_coef: Tensor, kl_coef: Tensor, j: int, count: int
+    ) -> None:
+        """Back-propagates micro-batch ``j`` of ``count``; steps the optimizer after the last."""
+        device = r.score.device
+        loss = surrogate_loss(r.score, r.kl_sum, score_coef.to(device), kl_coef.to(device))
+        dynamic = self.drpo_layout.dynamic_batching
+        # undo DeepSpeed's 1/GAS (GAS is 1 under dynamic batching) and data-parallel mean
+        scale = (1 if dynamic else count) * dist.get_world_size()
+        self.strategy.backward(loss * scale, self.actor, self.actor_optim)
+        if not dynamic or j == count - 1:  # otherwise DeepSpeed finds the boundary
+            self.strategy.optimizer_step(self.actor_optim, self.actor, self.actor_scheduler)
+            if self.ema_model:  # as OpenRLHF's training_step: acts at the boundary
+                self.strategy.moving_average(self.actor, self.ema_model, self.ema_beta, "cuda")
+
+    def _drpo_optimizer_step(self, batches: list, *, policy_is_old: bool) -> dict[str, float]:
+        start = time.perf_counter()
+        device = self._device()
+        for batch in batches:
+            batch.to_device(device)
+        self.actor.train()
+        if self.drpo_one_pass:
+            gathered, score_coef, metrics = self._one_pass_backward(batches)
+        else:
+            gathered, score_coef, metrics = self._two_pass_backward(batches, policy_is_old)
         elapsed = time.perf_counter() - start
 
         signal = signal_diagnostics((-score_coef).tolist(), gathered.correct.tolist())

@@ -41,6 +41,12 @@ class Layout:
         """Micro-batches (gradient-accumulation steps) per optimizer step on one rank."""
         return self.samples_per_step // self.micro_batch_size
 
+    @property
+    def groups_fit_micro_batches(self) -> bool:
+        """Whether micro-batches can hold whole prompt groups (each rank holds whole groups
+        and the micro-batch size is a multiple of ``n``); not under dynamic batching."""
+        return not self.dynamic_batching and self.micro_batch_size % self.n_samples_per_prompt == 0
+
     def check(self) -> None:
         """Raise ``LayoutError`` naming the first flag combination that breaks groups."""
         n, world = self.n_samples_per_prompt, self.world_size
@@ -147,6 +153,7 @@ def plan_optimizer_steps(
     *,
     lengths: Sequence[int] | None = None,
     allow_partial: bool = False,
+    whole_groups_per_micro_batch: bool = False,
 ) -> list[list[list[int]]]:
     """Plan one rank's replay buffer: ``steps[k][j]`` lists the items of micro-batch ``j`` of
     optimizer step ``k``.
@@ -154,10 +161,18 @@ def plan_optimizer_steps(
     Items are ordered by prompt group (stable), so each step holds whole groups. Within a step,
     given ``lengths`` (tokens per item), items are sorted longest first before being cut into
     micro-batches, so that each micro-batch pads to similar lengths (the objective does not
-    depend on the cut). Raises ``LayoutError`` if a group is incomplete on this rank or the
-    items do not fill a whole number of steps: both would silently change the objective. With
-    ``allow_partial`` such items are left out of the plan instead (the caller reports them).
+    depend on the cut). With ``whole_groups_per_micro_batch`` (needs
+    ``layout.groups_fit_micro_batches``) whole groups are sorted instead, by their longest
+    item, so that every micro-batch holds whole groups. Raises ``LayoutError`` if a group is
+    incomplete on this rank or the items do not fill a whole number of steps: both would
+    silently change the objective. With ``allow_partial`` such items are left out of the plan
+    instead (the caller reports them).
     """
+    if whole_groups_per_micro_batch and not layout.groups_fit_micro_batches:
+        raise LayoutError(
+            f"micro-batches of {layout.micro_batch_size} responses cannot hold whole groups of "
+            f"{n_samples_per_prompt}"
+        )
     keep = set(_whole_groups(group_ids, n_samples_per_prompt, "on this rank", allow_partial))
     order = sorted(
         (i for i in range(len(group_ids)) if group_ids[i] in keep),
@@ -169,7 +184,12 @@ def plan_optimizer_steps(
     plan = []
     for s in range(0, len(order) - per_step + 1, per_step):
         step = order[s : s + per_step]
-        if lengths is not None:
+        if lengths is not None and whole_groups_per_micro_batch:
+            longest = Counter()
+            for i in step:
+                longest[group_ids[i]] = max(longest[group_ids[i]], lengths[i])
+            step = sorted(step, key=lambda i: (-longest[group_ids[i]], group_ids[i], i))
+        elif lengths is not None:
             step = sorted(step, key=lambda i: -lengths[i])
         plan.append([step[m : m + micro] for m in range(0, per_step, micro)])
     return plan
