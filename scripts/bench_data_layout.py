@@ -9,6 +9,9 @@ generation budget) is laid out per data-parallel rank as
   group order), plus the no-grad scores pass DRPO runs on every step but a rollout's first;
 - *DRPO sorted*: the same steps, each cut into micro-batches longest response first (what
   the DRPO actor does: it passes the lengths to ``plan_optimizer_steps``);
+- *DRPO one-pass* (only when ``--micro-batch`` is a multiple of ``n``): micro-batches of whole
+  groups, longest group first, and no scores pass (the actor's update for
+  ``--drpo.kl_estimate microstep``);
 
 each padded (a micro-batch is as wide as its longest row) or packed (no padding; a micro-batch
 costs its token count); and, packed, under dynamic batching (``--train.dynamic_batch_enable``:
@@ -71,17 +74,25 @@ def openrlhf_micro_steps(items: list[int], micro: int, gen: torch.Generator) -> 
 
 
 def drpo_micro_steps(
-    items: list[int], rollout: Rollout, layout: Layout, by_length: bool = False
+    items: list[int],
+    rollout: Rollout,
+    layout: Layout,
+    by_length: bool = False,
+    one_pass: bool = False,
 ) -> tuple[list[list[int]], list[list[int]]]:
     """One rank's gradient-pass micro-batches and its scores-pass (no-grad) micro-batches.
 
     ``by_length`` passes the lengths to ``plan_optimizer_steps``, which then cuts each
-    optimizer step longest first (what the DRPO actor does): still whole groups per step."""
+    optimizer step longest first (what the DRPO actor does): still whole groups per step.
+    ``one_pass``: micro-batches of whole groups (sorted by length) and no scores pass."""
     groups = [i // rollout.n for i in items]
-    lengths = [rollout.lengths[i] for i in items] if by_length else None
-    plan = plan_optimizer_steps(groups, rollout.n, layout, lengths=lengths)
+    lengths = [rollout.lengths[i] for i in items] if by_length or one_pass else None
+    plan = plan_optimizer_steps(
+        groups, rollout.n, layout, lengths=lengths, whole_groups_per_micro_batch=one_pass
+    )
     steps = [[[items[i] for i in mb] for mb in step] for step in plan]
-    return [mb for step in steps for mb in step], [mb for step in steps[1:] for mb in step]
+    scores_pass = [] if one_pass else [mb for step in steps[1:] for mb in step]
+    return [mb for step in steps for mb in step], scores_pass
 
 
 @dataclass
@@ -192,6 +203,16 @@ def layouts(args: argparse.Namespace, rollout: Rollout, gen: torch.Generator) ->
         )
         for k in steps
     ]
+    one_pass = (
+        {
+            "DRPO one-pass": (
+                [drpo_micro_steps(s, rollout, layout, one_pass=True) for s in shares],
+                True,
+            )
+        }
+        if layout.groups_fit_micro_batches
+        else {}
+    )
     return {
         "OpenRLHF": ([(openrlhf_micro_steps(s, args.micro_batch, gen), []) for s in shares], True),
         "DRPO": ([drpo_micro_steps(s, rollout, layout) for s in shares], True),
@@ -199,6 +220,7 @@ def layouts(args: argparse.Namespace, rollout: Rollout, gen: torch.Generator) ->
             [drpo_micro_steps(s, rollout, layout, by_length=True) for s in shares],
             True,
         ),
+        **one_pass,
         "OpenRLHF dynamic": (rank_lists(openrlhf_dynamic, world, scores_pass=False), False),
         "DRPO dynamic": (rank_lists(drpo_dynamic, world, scores_pass=True), False),
     }
