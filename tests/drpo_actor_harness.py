@@ -10,6 +10,7 @@ import actor_setup
 import torch
 
 N, PROMPTS, TRAIN_BATCH = 4, 8, 16  # responses per prompt, prompts per rollout, per step
+MAX_TOKENS = 40  # --train.max_tokens_per_gpu of the dynamic-batching cases
 VOCAB, LR = 48, 0.05
 
 
@@ -132,7 +133,7 @@ def openrlhf_args(case: Case, world: int):
     if case.packing:
         flags.append("--ds.packing_samples")
     if case.dynamic:
-        flags += ["--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "40"]
+        flags += ["--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", str(MAX_TOKENS)]
     return actor_setup.openrlhf_args(flags)
 
 
@@ -150,8 +151,26 @@ def count_forwards(module: torch.nn.Module) -> list[int]:
 
 
 def one_pass_expected(case: Case) -> bool:
-    """The actor's one-pass update applies: micro-step KL and micro-batches of whole groups."""
-    return case.kl_estimate == "microstep" and not case.dynamic and case.micro_batch_size % N == 0
+    """The actor's one-pass update applies: micro-step KL, and micro-batches of whole groups
+    or dynamic batching (whose tiny sequences always pack under ``MAX_TOKENS``)."""
+    return case.kl_estimate == "microstep" and (case.dynamic or case.micro_batch_size % N == 0)
+
+
+def dynamic_microsteps(case: Case, world: int, lengths: torch.Tensor, step: torch.Tensor):
+    """Rollout positions of each global micro-step of one optimizer step (``step``: its
+    positions): whole groups packed as the actor packs them (micro-step KL), or one piece."""
+    from drpo_openrlhf.integration.layout import pack_group_microsteps
+
+    if case.kl_estimate != "microstep":
+        return [step]
+    shares = {int(g): [0] * world for g in (step // N).unique()}
+    for rank in range(world):
+        for i in rank_slice(case, rank, world).tolist():
+            if i // N in shares:
+                shares[i // N][rank] += int(lengths[i])
+    groups = pack_group_microsteps(shares, MAX_TOKENS)
+    assert groups is not None, "the test rollout must pack into one-pass micro-steps"
+    return [torch.tensor([i for i in step.tolist() if i // N in g]) for g in groups]
 
 
 def run_rank(rank: int, world: int, port: int, cases: list[Case], out_dir: str) -> None:
@@ -204,10 +223,13 @@ def reference_weights(case: Case, world: int) -> tuple[list[torch.Tensor], list[
         actor.parameters(), lr=LR, betas=(0.9, 0.999), eps=1.0, weight_decay=0
     )
     layout = Layout(world, N, PROMPTS, TRAIN_BATCH, case.micro_batch_size)
-    if case.dynamic:  # steps of whole groups in id order; micro-steps do not matter here
+    if case.dynamic:  # steps of whole groups in id order
         groups_per_step = TRAIN_BATCH // N
+        lengths = data["attention_mask"].sum(-1)
         steps = [
-            [torch.nonzero((data["group"] // groups_per_step) == k).flatten()]
+            dynamic_microsteps(
+                case, world, lengths, torch.nonzero((data["group"] // groups_per_step) == k)[:, 0]
+            )
             for k in range(PROMPTS // groups_per_step)
         ]
     else:

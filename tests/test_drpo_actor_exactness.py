@@ -13,8 +13,10 @@ from drpo_actor_harness import (
     TRAIN_BATCH,
     Case,
     N,
+    dynamic_microsteps,
     one_pass_expected,
     reference_weights,
+    rollout,
     run_rank,
     tiny_model,
 )
@@ -35,6 +37,8 @@ CASES = {
         Case(3, 4, packing=True, kl_estimate="microstep"),
         Case(2, 2, kl_estimate="microstep"),
         Case(3, 1, packing=True, dynamic=True),
+        Case(2, 1, packing=True, dynamic=True, kl_estimate="microstep"),
+        Case(2, 1, dynamic=True),  # ZeRO-2 accumulates over dynamic micro-batches
         Case(2, 2, short=6),
     ],
 }
@@ -84,8 +88,27 @@ def test_one_pass_update_skips_the_scores_pass(distributed_results, world, case)
     """Forwards per rank: one per micro-batch in one-pass mode; otherwise the scores pass adds
     as many again on every optimizer step but the rollout's first."""
     got = distributed_results[world, case]
-    assert got["one_pass"] == one_pass_expected(case)
+    assert got["one_pass"] == (one_pass_expected(case) and not case.dynamic)
+    assert got["status"]["drpo/one_pass"] == float(one_pass_expected(case))
     steps = PROMPTS * N // TRAIN_BATCH
     micro_steps = TRAIN_BATCH // world // case.micro_batch_size
     scores_pass = 0 if got["one_pass"] else (steps - 1) * micro_steps
     assert got["forwards"] == steps * micro_steps + scores_pass
+
+
+@pytest.mark.slow
+def test_dynamic_one_pass_runs_one_forward_per_global_micro_step(distributed_results):
+    """No scores pass: every rank forwards once per packed micro-step of every step."""
+    case = Case(2, 1, packing=True, dynamic=True, kl_estimate="microstep")
+    got = distributed_results[2, case]
+    data = rollout()
+    lengths = data["attention_mask"].sum(-1)
+    groups_per_step = TRAIN_BATCH // N
+    micro_steps = [
+        dynamic_microsteps(
+            case, 2, lengths, torch.nonzero(data["group"] // groups_per_step == k)[:, 0]
+        )
+        for k in range(PROMPTS // groups_per_step)
+    ]
+    assert all(len(m) > 1 for m in micro_steps)  # really packed into several micro-steps
+    assert got["forwards"] == sum(len(m) for m in micro_steps)

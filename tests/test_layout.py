@@ -4,6 +4,7 @@ from drpo_openrlhf.integration.layout import (
     Layout,
     LayoutError,
     assign_group_steps,
+    pack_group_microsteps,
     plan_optimizer_steps,
 )
 
@@ -105,3 +106,22 @@ def test_micro_batches_that_cannot_hold_whole_groups_are_refused(layout):
     assert not layout.groups_fit_micro_batches
     with pytest.raises(LayoutError, match="cannot hold whole groups"):
         plan_optimizer_steps([0] * 4, 4, layout, whole_groups_per_micro_batch=True)
+
+
+def test_group_microsteps_respect_every_ranks_budget():
+    shares = {0: [10, 30], 1: [25, 5], 2: [20, 20], 3: [5, 6], 4: [12, 3]}
+    steps = pack_group_microsteps(shares, 40)
+    assert steps == [[0, 1], [2, 4, 3]]  # first fit, largest per-rank share first
+    assert sorted(g for s in steps for g in s) == sorted(shares)
+    for groups in steps:
+        for rank in range(2):
+            assert 0 < sum(shares[g][rank] for g in groups) <= 40
+
+
+@pytest.mark.parametrize(
+    "shares",
+    [{0: [10, 41], 1: [3, 3]}, {0: [30, 0], 1: [30, 0], 2: [0, 5]}],
+    ids=["over-budget", "empty-rank"],
+)
+def test_group_microsteps_impossible_layouts_give_none(shares):
+    assert pack_group_microsteps(shares, 40) is None

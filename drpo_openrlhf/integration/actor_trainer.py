@@ -12,10 +12,11 @@ Each optimizer step takes whole prompt groups (``layout.plan_optimizer_steps``) 
    DeepSpeed's ``1/GAS`` and data-parallel mean. The accumulated gradient is exactly the
    gradient of the paper's objective over the mini-batch.
 
-*One pass*: with ``kl_estimate="microstep"`` and micro-batches that hold whole groups, a
-micro-step's scalars alone give its coefficients (``microstep_coefficients``), so each
-micro-batch is forwarded once, its scalars gathered, and back-propagated at once: no scores
-pass, the cost of a PPO update.
+*One pass*: with ``kl_estimate="microstep"`` and global micro-steps that hold whole groups
+(fixed micro-batches of a multiple of ``n``, or under dynamic batching groups packed into
+micro-steps by ``pack_group_microsteps``), a micro-step's scalars alone give its
+coefficients (``microstep_coefficients``), so each micro-batch is forwarded once, its
+scalars gathered, and back-propagated at once: no scores pass, the cost of a PPO update.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from drpo_openrlhf.integration.layout import (
     Layout,
     LayoutError,
     assign_group_steps,
+    pack_group_microsteps,
     plan_optimizer_steps,
 )
 
@@ -103,7 +105,7 @@ class DRPOActorTrainer(ActorPPOTrainer):
     drpo: DRPOConfig
     drpo_max_len: int
     drpo_layout: Layout
-    drpo_one_pass: bool  # see the module docstring
+    drpo_one_pass: bool  # fixed micro-batches of whole groups: see the module docstring
 
     def enable_drpo(self, config: DRPOConfig) -> None:
         args = self.args
@@ -140,7 +142,7 @@ class DRPOActorTrainer(ActorPPOTrainer):
             total < self.drpo_layout.rollout_batch_size * self.drpo_layout.n_samples_per_prompt
         )
         if self.drpo_layout.dynamic_batching:
-            plan = self._plan_dynamic(items, group_ids, partial)
+            plan, one_pass = self._plan_dynamic(items, group_ids, partial)
         else:
             plan = plan_optimizer_steps(
                 group_ids,
@@ -151,6 +153,7 @@ class DRPOActorTrainer(ActorPPOTrainer):
                 whole_groups_per_micro_batch=self.drpo_one_pass,
             )
             plan = plan[: self._all_reduce(len(plan), dist.ReduceOp.MIN)]
+            one_pass = [self.drpo_one_pass] * len(plan)
         planned = sum(len(mb) for step in plan for mb in step)
         dropped = self._all_reduce(len(items) - planned, dist.ReduceOp.SUM)
         if dropped:
@@ -163,7 +166,9 @@ class DRPOActorTrainer(ActorPPOTrainer):
         step_metrics = []
         for k, step in enumerate(plan):
             batches = [make_experience_batch([items[i] for i in mb]) for mb in step]
-            step_metrics.append(self._drpo_optimizer_step(batches, policy_is_old=k == 0))
+            step_metrics.append(
+                self._drpo_optimizer_step(batches, policy_is_old=k == 0, one_pass=one_pass[k])
+            )
         return {**_mean_metrics(step_metrics), "drpo/dropped_responses": float(dropped)}
 
     def _all_reduce(self, value: int, op) -> int:
@@ -173,24 +178,46 @@ class DRPOActorTrainer(ActorPPOTrainer):
 
     def _plan_dynamic(
         self, items: list, group_ids: list[int], partial: bool
-    ) -> list[list[list[int]]]:
-        """Dynamic batching: steps of whole groups over all ranks, each rank's share cut into
-        token-balanced micro-batches, the same number on every rank (ZeRO's collectives
-        need equal forward counts)."""
+    ) -> tuple[list[list[list[int]]], list[bool]]:
+        """Dynamic batching: steps of whole groups over all ranks, the same number of
+        micro-batches on every rank (ZeRO's collectives need equal forward counts), and
+        whether each step runs in one pass.
+
+        With ``kl_estimate="microstep"`` a step's groups are packed into global micro-steps
+        under ``--train.max_tokens_per_gpu`` (one pass) when ``pack_group_microsteps`` can;
+        otherwise each rank's share is cut into token-balanced micro-batches by OpenRLHF's
+        own functions and the step runs a scores pass."""
         layout = self.drpo_layout
-        everyone: list[list[int]] = [[] for _ in range(dist.get_world_size())]
-        dist.all_gather_object(everyone, group_ids)
+        world = dist.get_world_size()
+        lengths = [int(item.attention_mask.sum()) for item in items]
+        everyone: list[list[tuple[int, int]]] = [[] for _ in range(world)]
+        dist.all_gather_object(everyone, list(zip(group_ids, lengths, strict=True)))
         step_of = assign_group_steps(
-            [g for ids in everyone for g in ids],
+            [g for pairs in everyone for g, _ in pairs],
             layout.n_samples_per_prompt,
             layout.train_batch_size // layout.n_samples_per_prompt,
             allow_partial=partial,
         )
-        lengths = [int(item.attention_mask.sum()) for item in items]
         max_tokens = self.args.train.max_tokens_per_gpu
-        plan = []
+        plan, one_pass = [], []
         for k in range(len(set(step_of.values()))):
             mine = [i for i, g in enumerate(group_ids) if step_of.get(g) == k]
+            microsteps = None
+            if self.drpo.kl_estimate == "microstep":
+                shares = {g: [0] * world for g, step in step_of.items() if step == k}
+                for rank, pairs in enumerate(everyone):
+                    for g, length in pairs:
+                        if g in shares:
+                            shares[g][rank] += length
+                microsteps = pack_group_microsteps(shares, max_tokens)
+            if microsteps is not None:
+                where = {g: j for j, groups in enumerate(microsteps) for g in groups}
+                parts = [
+                    [i for i in mine if where[group_ids[i]] == j] for j in range(len(microsteps))
+                ]
+                plan.append(parts)
+                one_pass.append(True)
+                continue
             needed = get_minimum_num_micro_batch_size([lengths[i] for i in mine], max_tokens, 1, 1)
             count = self._all_reduce(needed, dist.ReduceOp.MAX)
             if len(mine) < count:
@@ -200,7 +227,8 @@ class DRPOActorTrainer(ActorPPOTrainer):
                 )
             parts = get_seqlen_balanced_partitions([lengths[i] for i in mine], count, False)
             plan.append([[mine[j] for j in part] for part in parts])
-        return plan
+            one_pass.append(False)
+        return plan, one_pass
 
     def _device(self) -> torch.device:
         return next(self.actor.model.parameters()).device
@@ -237,6 +265,7 @@ class DRPOActorTrainer(ActorPPOTrainer):
         gathered, offset = all_gather_scalars(local)
         score_coef, kl_coef, metrics = loss_coefficients(gathered, self.drpo, self.drpo_max_len)
         for j, batch in enumerate(batches):
+            self._mark_boundary(j, len(batches))
             r = self._scalars(batch, j, use_old=False)
             end = offset + r.score.numel()
             self._accumulate(r, score_coef[offset:end], kl_coef[offset:end], j, len(batches))
@@ -251,10 +280,11 @@ class DRPOActorTrainer(ActorPPOTrainer):
         num_groups = self.drpo_layout.train_batch_size // n
         parts = []
         for j, batch in enumerate(batches):
+            self._mark_boundary(j, len(batches))
             r = self._scalars(batch, j, use_old=False)
-            if (r.group_id.unique(return_counts=True)[1] != n).any():
-                raise LayoutError(f"micro-batch {j} does not hold whole prompt groups")
             gathered, offset = all_gather_scalars(r)
+            if (gathered.group_id.unique(return_counts=True)[1] != n).any():
+                raise LayoutError(f"micro-step {j} does not hold whole prompt groups")
             score_coef, kl_coef = microstep_coefficients(
                 gathered, self.drpo, self.drpo_max_len, num_groups, len(batches)
             )
@@ -264,6 +294,13 @@ class DRPOActorTrainer(ActorPPOTrainer):
         gathered = ResponseScalars.concat(parts)
         score_coef, _, metrics = loss_coefficients(gathered, self.drpo, self.drpo_max_len)
         return gathered, score_coef, metrics
+
+    def _mark_boundary(self, j: int, count: int) -> None:
+        """Under dynamic batching OpenRLHF runs DeepSpeed with one accumulation step, so every
+        backward would be a boundary, and ZeRO-1/2 would keep only the last micro-batch's
+        gradient: tell DeepSpeed which micro-batch ends the optimizer step."""
+        if self.drpo_layout.dynamic_batching:
+            self.actor.model.set_gradient_accumulation_boundary(j == count - 1)
 
     def _accumulate(
         self, r: ResponseScalars, score_coef: Tensor, kl_coef: Tensor, j: int, count: int
@@ -280,13 +317,15 @@ class DRPOActorTrainer(ActorPPOTrainer):
             if self.ema_model:  # as OpenRLHF's training_step: acts at the boundary
                 self.strategy.moving_average(self.actor, self.ema_model, self.ema_beta, "cuda")
 
-    def _drpo_optimizer_step(self, batches: list, *, policy_is_old: bool) -> dict[str, float]:
+    def _drpo_optimizer_step(
+        self, batches: list, *, policy_is_old: bool, one_pass: bool
+    ) -> dict[str, float]:
         start = time.perf_counter()
         device = self._device()
         for batch in batches:
             batch.to_device(device)
         self.actor.train()
-        if self.drpo_one_pass:
+        if one_pass:
             gathered, score_coef, metrics = self._one_pass_backward(batches)
         else:
             gathered, score_coef, metrics = self._two_pass_backward(batches, policy_is_old)
@@ -303,6 +342,7 @@ class DRPOActorTrainer(ActorPPOTrainer):
                 "drpo/mean_signal_incorrect": signal["mean_signal_incorrect"],
                 "drpo/truncated": truncated.mean().item(),
                 "drpo/update_tokens_per_s": float(gathered.num_tokens.sum()) / elapsed,
+                "drpo/one_pass": float(one_pass),
                 "actor_lr": self.actor_scheduler.get_last_lr()[0],
                 "actor_grad_norm": float(self.strategy.get_grad_norm(self.actor)),
             }

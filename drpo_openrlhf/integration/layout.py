@@ -11,7 +11,7 @@ Groups may still be cut across micro-batches: the exact split of the gradient
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -193,3 +193,34 @@ def plan_optimizer_steps(
             step = sorted(step, key=lambda i: -lengths[i])
         plan.append([step[m : m + micro] for m in range(0, per_step, micro)])
     return plan
+
+
+def pack_group_microsteps(
+    shares: Mapping[int, Sequence[int]], max_tokens: int
+) -> list[list[int]] | None:
+    """Global micro-steps of whole groups for the one-pass update under dynamic batching.
+
+    ``shares[g][r]`` is the number of tokens group ``g`` (of one optimizer step) has on rank
+    ``r``; groups are packed first-fit, largest per-rank share first, so that every rank's
+    share of a micro-step stays within ``max_tokens``. Returns the groups of each micro-step,
+    or ``None`` when the one-pass layout is impossible: a group over the budget on some
+    rank, or a rank without any response in some micro-step (every rank must run the same
+    number of forwards for ZeRO's collectives, and an empty micro-batch cannot run).
+    """
+    steps: list[list[int]] = []
+    loads: list[list[int]] = []
+    for g in sorted(shares, key=lambda g: (-max(shares[g]), g)):
+        share = shares[g]
+        if max(share) > max_tokens:
+            return None
+        for groups, load in zip(steps, loads, strict=True):
+            if all(used + t <= max_tokens for used, t in zip(load, share, strict=True)):
+                groups.append(g)
+                load[:] = [used + t for used, t in zip(load, share, strict=True)]
+                break
+        else:
+            steps.append([g])
+            loads.append(list(share))
+    if any(used == 0 for load in loads for used in load):
+        return None
+    return steps
