@@ -218,6 +218,19 @@ def drpo_config(args: argparse.Namespace) -> DRPOConfig:
     return DRPOConfig(**{f.name: getattr(args, f"drpo.{f.name}") for f in fields(DRPOConfig)})
 
 
+def refuse_unsafe_dynamic_batching(args: argparse.Namespace) -> None:
+    """OpenRLHF 0.11.2's own actor update under dynamic batching runs DeepSpeed with one
+    accumulation step and never marks the boundary, so ZeRO-1/2 keep only the last
+    micro-batch's gradient of each optimizer step (docs/status.md). The DRPO actor marks it;
+    the baselines run OpenRLHF's actor, so refuse the combination there."""
+    if getattr(args, "train.dynamic_batch_enable") and getattr(args, "ds.zero_stage") < 3:
+        raise ValueError(
+            "--train.dynamic_batch_enable with --ds.zero_stage < 3 drops gradients in "
+            "OpenRLHF's PPO update (only the last micro-batch of each step counts): use "
+            "--ds.zero_stage 3 or fixed micro-batches for baseline runs"
+        )
+
+
 def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> DRPOConfig:
     """Reject what DRPO cannot run exactly; returns the DRPO config. Raises ``ValueError``."""
     for flag, advice in REJECTED_FLAGS.items():
@@ -256,6 +269,7 @@ def parse(argv: list[str]) -> tuple[DRPOConfig, SimpleNamespace, list[str]]:
     try:
         if method:  # PPO on shaped rewards: OpenRLHF validates its own flags
             GroupRewardShaper(method, getattr(args, "rollout.n_samples_per_prompt"), **run.params)
+            refuse_unsafe_dynamic_batching(args)
             config = drpo_config(args)
         else:
             config = validate(args, parser)

@@ -205,6 +205,8 @@ def test_baseline_mode_keeps_ppo_and_sets_the_papers_estimator():
     assert "--algo.kl.init_coef" not in argv and "--shaping.method" not in argv
     _, shaping, argv = train.parse([*BASE, "--shaping.method", "hapo", "--shaping.params", "w=0.1"])
     assert value_after(argv, "--algo.advantage.estimator") == ["group_norm"]
+    dynamic = ["--train.dynamic_batch_enable", "--ds.zero_stage", "3"]
+    train.parse([*BASE, "--shaping.method", "hapo", "--shaping.params", "w=0.1", *dynamic])
 
 
 @pytest.mark.parametrize(
@@ -214,6 +216,11 @@ def test_baseline_mode_keeps_ppo_and_sets_the_papers_estimator():
         (["--shaping.method", "hapo", "--shaping.params", "w=2"], "w must be"),
         (["--shaping.method", "rloo_lp", "--shaping.params", "alpha"], "expected key=value"),
         (["--shaping.method", "grpo"], "invalid choice"),
+        (
+            ["--shaping.method", "hapo", "--shaping.params", "w=0.1"]
+            + ["--train.dynamic_batch_enable", "--ds.zero_stage", "2"],
+            "drops gradients",
+        ),
     ],
 )
 def test_bad_baseline_settings_are_usage_errors(extra, message, capsys):
