@@ -209,6 +209,9 @@ def test_baseline_mode_keeps_ppo_and_sets_the_papers_estimator():
     train.parse([*BASE, "--shaping.method", "hapo", "--shaping.params", "w=0.1", *dynamic])
 
 
+ZERO2_DYNAMIC = ["--train.dynamic_batch_enable", "--ds.zero_stage", "2"]
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
@@ -217,8 +220,7 @@ def test_baseline_mode_keeps_ppo_and_sets_the_papers_estimator():
         (["--shaping.method", "rloo_lp", "--shaping.params", "alpha"], "expected key=value"),
         (["--shaping.method", "grpo"], "invalid choice"),
         (
-            ["--shaping.method", "hapo", "--shaping.params", "w=0.1"]
-            + ["--train.dynamic_batch_enable", "--ds.zero_stage", "2"],
+            ["--shaping.method", "hapo", "--shaping.params", "w=0.1", *ZERO2_DYNAMIC],
             "drops gradients",
         ),
     ],
