@@ -20,7 +20,10 @@ responses dealt to ranks by length, micro-batches under a token budget):
 - *OpenRLHF dynamic*: its replay buffer's steps of ``train_batch / world`` consecutive
   responses per rank;
 - *DRPO dynamic*: ``DRPOActorTrainer._plan_dynamic``'s steps of whole groups in id order,
-  mirrored here with the same ``assign_group_steps`` and OpenRLHF balancing functions.
+  mirrored here with the same ``assign_group_steps`` and OpenRLHF balancing functions;
+- *DRPO dyn. one-pass*: the same steps with ``--drpo.kl_estimate microstep``: groups packed
+  into global micro-steps by ``pack_group_microsteps`` and no scores pass (a step that
+  cannot be packed falls back to *DRPO dynamic*'s micro-batches and scores pass).
  A response's log-length is ``mu + sigma (sqrt(rho) z_prompt +
 sqrt(1 - rho) z_response)``: ``rho`` is how alike the lengths of one prompt's responses are
 (hard prompts give long answers), and is what grouping turns into less padding.
@@ -41,7 +44,12 @@ from openrlhf.utils.seqlen_balancing import (
     get_seqlen_balanced_partitions,
 )
 
-from drpo_openrlhf.integration.layout import Layout, assign_group_steps, plan_optimizer_steps
+from drpo_openrlhf.integration.layout import (
+    Layout,
+    assign_group_steps,
+    pack_group_microsteps,
+    plan_optimizer_steps,
+)
 
 
 @dataclass(frozen=True)
@@ -170,6 +178,33 @@ def token_balanced(step: list[list[int]], lengths: list[int], budget: int) -> li
     ]
 
 
+def one_pass_dynamic(
+    steps: list[list[list[int]]], n: int, lengths: list[int], budget: int
+) -> list[tuple[list[list[int]], list[list[int]]]]:
+    """Each rank's (gradient-pass, scores-pass) micro-batches when every step's groups are
+    packed into global micro-steps (``steps[k][r]``: rank ``r``'s responses of step ``k``)."""
+    per_rank: list[tuple[list[list[int]], list[list[int]]]] = [([], []) for _ in steps[0]]
+    for k, step in enumerate(steps):
+        shares: dict[int, list[int]] = {}
+        for rank, items in enumerate(step):
+            for i in items:
+                shares.setdefault(i // n, [0] * len(step))[rank] += lengths[i]
+        groups = pack_group_microsteps(shares, budget)
+        if groups is None:
+            micro, scores = token_balanced(step, lengths, budget), k > 0
+        else:
+            where = {g: j for j, gs in enumerate(groups) for g in gs}
+            micro = [
+                [[i for i in items if where[i // n] == j] for j in range(len(groups))]
+                for items in step
+            ]
+            scores = False
+        for (grad, fwd), mbs in zip(per_rank, micro, strict=True):
+            grad.extend(mbs)
+            fwd.extend(mbs if scores else [])
+    return per_rank
+
+
 def rank_lists(steps: list[list[list[list[int]]]], world: int, scores_pass: bool) -> list:
     """``steps[k][r]`` (micro-batches) as each rank's (gradient-pass, scores-pass) lists."""
     return [
@@ -197,12 +232,8 @@ def layouts(args: argparse.Namespace, rollout: Rollout, gen: torch.Generator) ->
         token_balanced([s[k * local : (k + 1) * local] for s in dealt], lengths, args.max_tokens)
         for k in steps
     ]
-    drpo_dynamic = [
-        token_balanced(
-            [[i for i in s if step_of[i // n] == k] for s in dealt], lengths, args.max_tokens
-        )
-        for k in steps
-    ]
+    drpo_steps = [[[i for i in s if step_of[i // n] == k] for s in dealt] for k in steps]
+    drpo_dynamic = [token_balanced(step, lengths, args.max_tokens) for step in drpo_steps]
     one_pass = (
         {
             "DRPO one-pass": (
@@ -223,6 +254,10 @@ def layouts(args: argparse.Namespace, rollout: Rollout, gen: torch.Generator) ->
         **one_pass,
         "OpenRLHF dynamic": (rank_lists(openrlhf_dynamic, world, scores_pass=False), False),
         "DRPO dynamic": (rank_lists(drpo_dynamic, world, scores_pass=True), False),
+        "DRPO dyn. one-pass": (
+            one_pass_dynamic(drpo_steps, n, lengths, args.max_tokens),
+            False,
+        ),
     }
 
 
