@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,16 +16,21 @@ from drpo_openrlhf.algo import DRPOConfig, minibatch_loss, response_scalars
 from drpo_openrlhf.algo.advantages import group_advantages
 from drpo_openrlhf.algo.shaper import GroupRewardShaper
 from drpo_openrlhf.algo.shaping import shape_rewards
+from drpo_openrlhf.eval.problems import load_problems
 from drpo_openrlhf.eval.runner import encode_prompt
 from drpo_openrlhf.local import train as train_cli
 from drpo_openrlhf.local.rollout import Rollout, generate_rollout, token_log_probs
 from drpo_openrlhf.local.toy_task import ToyProblem, write_jsonl
 from drpo_openrlhf.local.trainer import (
     CHECKPOINT_FILE,
+    OPTIMIZER_FILE,
+    RESUME_DIR,
     TrainConfig,
     baseline_advantages,
     drpo_backward,
+    find_resume_state,
     policy_gradient_backward,
+    train,
 )
 from drpo_openrlhf.tiny_model import build_tiny_model
 
@@ -275,3 +282,73 @@ def test_command_line_refuses_layouts_that_split_groups(tiny_dir, tmp_path) -> N
                 "6",
             ]
         )
+
+
+class _Interrupt(Exception):
+    pass
+
+
+def _parity_grader(texts, labels):
+    """Correct when the response text has even length: mixed groups from a random model."""
+    return [SimpleNamespace(correct=len(t) % 2 == 0) for t in texts]
+
+
+def _stop_after(step: int):
+    def log(record: dict) -> None:
+        if record["step"] == step:
+            raise _Interrupt
+
+    return log
+
+
+def test_an_interrupted_run_resumes_exactly(tiny_dir, tmp_path) -> None:
+    """Stopped after rollout 3 with a save every 2, resumed: the same weights, optimizer
+    state and metrics as an uninterrupted run."""
+    problems = [ToyProblem((1, 2)), ToyProblem((3, 4, 5)), ToyProblem((2, 2))]
+    config = TrainConfig(
+        rollout_steps=4,
+        rollout_batch_size=2,
+        n_samples_per_prompt=4,
+        train_batch_size=4,
+        micro_batch_size=2,
+        max_new_tokens=6,
+        lr=1e-2,
+    )
+    data = write_jsonl(problems, tmp_path / "d.jsonl")
+    prompts = [p for ps in load_problems([data]).values() for p in ps]
+    options = dict(grader=_parity_grader, progress=False)
+    whole = train(tiny_dir, prompts, tmp_path / "whole", config, **options)
+    with pytest.raises(_Interrupt):
+        train(
+            tiny_dir, prompts, tmp_path / "cut", config, save_steps=2, log=_stop_after(3), **options
+        )
+    assert json.loads((tmp_path / "cut" / RESUME_DIR / CHECKPOINT_FILE).read_text())["step"] == 2
+    cut = train(tiny_dir, prompts, tmp_path / "cut", config, resume=True, **options)
+
+    init, a, b = (AutoModelForCausalLM.from_pretrained(d) for d in (tiny_dir, whole, cut))
+    moved = max((x - y).abs().max() for x, y in zip(a.parameters(), init.parameters(), strict=True))
+    assert moved > 1e-3
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        assert torch.equal(x, y), name
+    assert torch.load(whole / RESUME_DIR / OPTIMIZER_FILE)["state"].keys()
+    metrics = [
+        [{k: v for k, v in json.loads(line).items() if k != "seconds"} for line in lines]
+        for lines in (
+            (whole / "metrics.jsonl").read_text().splitlines(),
+            (cut / "metrics.jsonl").read_text().splitlines(),
+        )
+    ]
+    assert metrics[0] == metrics[1] and len(metrics[0]) == 4
+    state = json.loads((cut / CHECKPOINT_FILE).read_text())
+    assert state["step"] == 4 and state["init_model"] == str(tiny_dir)
+
+    with pytest.raises(ValueError, match=r"changed settings: train\.lr"):
+        train(tiny_dir, prompts, cut, replace(config, lr=0.5), resume=True, **options)
+
+
+def test_an_interrupted_swap_resumes_from_the_previous_state(tmp_path) -> None:
+    assert find_resume_state(tmp_path) is None
+    (tmp_path / "resume.old").mkdir()
+    (tmp_path / "resume.old" / OPTIMIZER_FILE).write_bytes(b"")
+    (tmp_path / "resume.tmp").mkdir()  # half written: ignored
+    assert find_resume_state(tmp_path) == tmp_path / "resume.old"

@@ -27,6 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grader", default=None, help="module:function (default: math reward)")
     p.add_argument("--no-require-think-end", action="store_true")
     p.add_argument("--device", default="cpu", help="cpu, or one GPU such as cuda")
+    p.add_argument(
+        "--save-steps", type=int, default=0, help="save the resume state every N rollouts"
+    )
+    p.add_argument("--resume", action="store_true", help="continue from OUTPUT/resume if any")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     p.add_argument("--no-progress", action="store_true")
     defaults = TrainConfig()
@@ -87,6 +91,8 @@ def main(argv: list[str] | None = None) -> None:
         drpo,
         grader=grader,
         device=args.device,
+        save_steps=args.save_steps,
+        resume=args.resume,
         progress=not args.no_progress,
     )
     print(path)

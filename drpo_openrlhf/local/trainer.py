@@ -13,14 +13,19 @@ Same loop as the OpenRLHF path, with every algorithmic piece taken from the shar
    loss with per-response length normalisation (the paper's RLOO-LP/HAPO recipe).
 
 The checkpoint is a ``save_pretrained`` directory (``drpo-eval`` reads it as is) plus
-``local_train.json`` with the method's settings and the step.
+``local_train.json`` with the method's settings and the step. ``resume/`` beside it holds
+what continuing needs (weights, optimizer and shaper state, step), replaced atomically every
+``save_steps`` rollouts and at the end, so an interrupted run loses at most ``save_steps``
+rollouts: run the same command with ``resume=True`` (``--resume``).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -48,6 +53,8 @@ from drpo_openrlhf.local.rollout import Rollout, generate_rollout, token_log_pro
 
 CHECKPOINT_FILE = "local_train.json"
 CHECKPOINT_FORMAT = 1
+RESUME_DIR = "resume"
+OPTIMIZER_FILE = "optimizer.pt"
 DRPO = "drpo"
 
 
@@ -235,6 +242,47 @@ def save_checkpoint(
     return output_dir
 
 
+def save_resume_state(model, tokenizer, optimizer, output_dir: Path, **checkpoint) -> None:
+    """``output_dir/resume``: a checkpoint plus the optimizer state, written to a temporary
+    directory and swapped in by renames, so an interruption leaves the old or the new one."""
+    final, tmp, old = (output_dir / f"{RESUME_DIR}{suffix}" for suffix in ("", ".tmp", ".old"))
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_checkpoint(model, tokenizer, tmp, **checkpoint)
+    torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def find_resume_state(output_dir: Path) -> Path | None:
+    """The newest complete ``resume`` directory (``resume.old`` if a swap was interrupted)."""
+    for name in (RESUME_DIR, f"{RESUME_DIR}.old"):
+        if (output_dir / name / OPTIMIZER_FILE).exists():
+            return output_dir / name
+    return None
+
+
+def check_resumable(state: dict[str, Any], train: TrainConfig, drpo: DRPOConfig | None) -> None:
+    """Refuse to continue a run under other settings (``rollout_steps`` may grow)."""
+    want = {
+        "train": json.loads(json.dumps({**asdict(train), "rollout_steps": None})),
+        "drpo": None if drpo is None else json.loads(json.dumps(asdict(drpo))),
+    }
+    have = {"train": {**state["train"], "rollout_steps": None}, "drpo": state["drpo"]}
+    changed = [
+        f"{part}.{key}"
+        for part in want
+        for key in sorted(set(want[part] or {}) | set(have[part] or {}))
+        if (want[part] or {}).get(key) != (have[part] or {}).get(key)
+    ]
+    if state["method"] != train.method or changed:
+        raise ValueError(
+            f"cannot resume a {state['method']} run as {train.method}; changed settings: "
+            f"{', '.join(changed) or 'none'} (use another --output or the same flags)"
+        )
+
+
 def prompt_batches(num_problems: int, batch_size: int, seed: int) -> Iterator[list[int]]:
     """Indices of the prompts of each rollout: epochs over a seeded shuffle of the dataset."""
     rng = random.Random(seed)
@@ -262,13 +310,17 @@ def train(
     *,
     grader: Grader | None = None,
     device: str = "cpu",
+    save_steps: int = 0,
+    resume: bool = False,
     progress: bool = True,
     log: Callable[[dict[str, Any]], None] | None = None,
 ) -> Path:
     """Runs ``rollout_steps`` rollouts of RL from ``model_dir`` on ``device`` (``"cpu"`` or
     one GPU, e.g. ``"cuda"``); returns the checkpoint dir.
 
-    Every rollout step's metrics go to ``output_dir/metrics.jsonl`` (and to ``log``).
+    Every rollout step's metrics go to ``output_dir/metrics.jsonl`` (and to ``log``). The
+    resume state is saved every ``save_steps`` rollouts (0: at the end only); with
+    ``resume`` a run continues from it, exactly as if it had not stopped.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -285,20 +337,40 @@ def train(
         else GroupRewardShaper(cfg.method, cfg.n_samples_per_prompt, **cfg.shaping_params)
     )
     grader = grader or load_grader()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    saved = find_resume_state(output_dir) if resume else None
+    state = json.loads((saved / CHECKPOINT_FILE).read_text()) if saved else None
+    if state is not None:
+        check_resumable(state, cfg, drpo)
+        if shaper is not None:
+            shaper.load_state_dict(state["shaping"])
+    init_model = state["init_model"] if state else str(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(saved or model_dir)
     torch.manual_seed(cfg.seed)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+    model = AutoModelForCausalLM.from_pretrained(saved or model_dir, dtype=torch.float32)
+    model = model.to(device)
     model.train()
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, betas=(0.9, 0.999), weight_decay=cfg.weight_decay
     )
+    if saved:
+        optimizer.load_state_dict(torch.load(saved / OPTIMIZER_FILE, map_location=device))
+    first = state["step"] if state else 0
     encoded = [encode_prompt(tokenizer, p.prompt) for p in problems]
     batches = prompt_batches(len(problems), cfg.rollout_batch_size, cfg.seed)
+    for _ in range(first):  # the prompts of the rollouts already trained on
+        next(batches)
     metrics_path = output_dir / "metrics.jsonl"
-    metrics_path.unlink(missing_ok=True)
+    kept = metrics_path.read_text().splitlines()[:first] if first else []
+    metrics_path.write_text("".join(line + "\n" for line in kept))
+    checkpoint = dict(train=cfg, drpo=drpo, shaper=shaper, init_model=init_model)
 
     bar = tqdm(
-        range(cfg.rollout_steps), desc=f"train {cfg.method}", unit="rollout", disable=not progress
+        range(first, cfg.rollout_steps),
+        desc=f"train {cfg.method}",
+        unit="rollout",
+        initial=first,
+        total=cfg.rollout_steps,
+        disable=not progress,
     )
     for step in bar:
         start = time.perf_counter()
@@ -371,7 +443,10 @@ def train(
         if log is not None:
             log(record)
         bar.set_postfix(acc=f"{record['pass_rate']:.2f}", len=f"{record['response_length']:.0f}")
+        if save_steps and (step + 1) % save_steps == 0:
+            save_resume_state(model, tokenizer, optimizer, output_dir, step=step + 1, **checkpoint)
 
-    return save_checkpoint(
-        model, tokenizer, output_dir, cfg, drpo, shaper, cfg.rollout_steps, str(model_dir)
-    )
+    steps = max(first, cfg.rollout_steps)
+    if not (save_steps and steps % save_steps == 0 and steps > first):
+        save_resume_state(model, tokenizer, optimizer, output_dir, step=steps, **checkpoint)
+    return save_checkpoint(model, tokenizer, output_dir, step=steps, **checkpoint)
