@@ -264,3 +264,18 @@ def test_response_scalars_reject_mismatched_fields():
 def test_config_rejects_invalid_values(kwargs):
     with pytest.raises(ValueError):
         DRPOConfig(**kwargs)
+
+
+@pytest.mark.parametrize("field", ["score", "kl_sum"])
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_non_finite_scalars_are_refused_before_any_gradient(field, value):
+    rollout = make_rollout(0, 3, 2)
+    features, tokens, mask, correct, group_ids = rollout
+    with torch.no_grad():
+        lp = ToyPolicy(0)(features, tokens)
+    r = response_scalars(lp, lp, mask, correct, group_ids)
+    broken = getattr(r, field).clone()
+    broken[3] = value
+    r = ResponseScalars(**{**r.__dict__, field: broken})
+    with pytest.raises(ValueError, match=r"non-finite log-probs in 1 of 6 responses .*\[1\]"):
+        loss_coefficients(r, DRPOConfig(), MAX_T)

@@ -138,8 +138,16 @@ def loss_coefficients(
     """``dL/ds_i`` and ``dL/dkl_i`` of the whole mini-batch (float64), plus its metrics.
 
     Computed by autograd through ``minibatch_loss`` itself, so the split gradient can never
-    drift from the one-piece objective.
+    drift from the one-piece objective. Non-finite scalars (a policy producing NaN or inf
+    log-probs) raise ``ValueError`` here, before any of them reaches a gradient.
     """
+    bad = ~(torch.isfinite(r.score) & torch.isfinite(r.kl_sum))
+    if bad.any():
+        groups = sorted(set(r.group_id[bad].tolist()))
+        raise ValueError(
+            f"non-finite log-probs in {int(bad.sum())} of {bad.numel()} responses (prompt "
+            f"groups {groups[:8]}): the policy produced NaN/inf; this update was not applied"
+        )
     score = r.score.detach().double().requires_grad_(True)
     kl_sum = r.kl_sum.detach().double().requires_grad_(True)
     leaf = replace(r, score=score, kl_sum=kl_sum, num_tokens=r.num_tokens.double())
