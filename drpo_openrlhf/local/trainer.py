@@ -360,7 +360,7 @@ def train(
     for _ in range(first):  # the prompts of the rollouts already trained on
         next(batches)
     metrics_path = output_dir / "metrics.jsonl"
-    kept = metrics_path.read_text().splitlines()[:first] if first else []
+    kept = metrics_path.read_text().splitlines()[:first] if metrics_path.exists() else []
     metrics_path.write_text("".join(line + "\n" for line in kept))
     checkpoint = dict(train=cfg, drpo=drpo, shaper=shaper, init_model=init_model)
 
