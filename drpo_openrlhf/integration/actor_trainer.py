@@ -150,14 +150,15 @@ class DRPOActorTrainer(ActorPPOTrainer):
         partial = (
             total < self.drpo_layout.rollout_batch_size * self.drpo_layout.n_samples_per_prompt
         )
+        lengths = [int(item.attention_mask.sum()) for item in items]
         if self.drpo_layout.dynamic_batching:
-            plan, one_pass = self._plan_dynamic(items, group_ids, partial)
+            plan, one_pass = self._plan_dynamic(group_ids, lengths, partial)
         else:
             plan = plan_optimizer_steps(
                 group_ids,
                 self.drpo_layout.n_samples_per_prompt,
                 self.drpo_layout,
-                lengths=[int(item.attention_mask.sum()) for item in items],
+                lengths=lengths,
                 allow_partial=partial,
                 whole_groups_per_micro_batch=self.drpo_one_pass,
             )
@@ -186,7 +187,7 @@ class DRPOActorTrainer(ActorPPOTrainer):
         return int(tensor)
 
     def _plan_dynamic(
-        self, items: list, group_ids: list[int], partial: bool
+        self, group_ids: list[int], lengths: list[int], partial: bool
     ) -> tuple[list[list[list[int]]], list[bool]]:
         """Dynamic batching: steps of whole groups over all ranks, the same number of
         micro-batches on every rank (ZeRO's collectives need equal forward counts), and
@@ -198,7 +199,6 @@ class DRPOActorTrainer(ActorPPOTrainer):
         own functions and the step runs a scores pass."""
         layout = self.drpo_layout
         world = dist.get_world_size()
-        lengths = [int(item.attention_mask.sum()) for item in items]
         everyone: list[list[tuple[int, int]]] = [[] for _ in range(world)]
         dist.all_gather_object(
             everyone, list(zip(group_ids, lengths, strict=True)), group=self.drpo_group
@@ -209,18 +209,19 @@ class DRPOActorTrainer(ActorPPOTrainer):
             layout.train_batch_size // layout.n_samples_per_prompt,
             allow_partial=partial,
         )
+        shares = {g: [0] * world for g in step_of}  # tokens of each group on each rank
+        for rank, pairs in enumerate(everyone):
+            for g, length in pairs:
+                if g in shares:
+                    shares[g][rank] += length
         max_tokens = self.args.train.max_tokens_per_gpu
         plan, one_pass = [], []
         for k in range(len(set(step_of.values()))):
             mine = [i for i, g in enumerate(group_ids) if step_of.get(g) == k]
             microsteps = None
             if self.drpo.kl_estimate == "microstep":
-                shares = {g: [0] * world for g, step in step_of.items() if step == k}
-                for rank, pairs in enumerate(everyone):
-                    for g, length in pairs:
-                        if g in shares:
-                            shares[g][rank] += length
-                microsteps = pack_group_microsteps(shares, max_tokens)
+                step_shares = {g: shares[g] for g, step in step_of.items() if step == k}
+                microsteps = pack_group_microsteps(step_shares, max_tokens)
             if microsteps is not None:
                 where = {g: j for j, groups in enumerate(microsteps) for g in groups}
                 parts = [
@@ -323,7 +324,7 @@ class DRPOActorTrainer(ActorPPOTrainer):
         # undo DeepSpeed's 1/GAS (GAS is 1 under dynamic batching) and data-parallel mean
         scale = (1 if dynamic else count) * dist.get_world_size()
         self.strategy.backward(loss * scale, self.actor, self.actor_optim)
-        if not dynamic or j == count - 1:  # otherwise DeepSpeed finds the boundary
+        if not dynamic or j == count - 1:  # dynamic: only at the boundary _mark_boundary set
             self.strategy.optimizer_step(self.actor_optim, self.actor, self.actor_scheduler)
             if self.ema_model:  # as OpenRLHF's training_step: acts at the boundary
                 self.strategy.moving_average(self.actor, self.ema_model, self.ema_beta, "cuda")

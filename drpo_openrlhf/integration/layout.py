@@ -185,9 +185,9 @@ def plan_optimizer_steps(
     for s in range(0, len(order) - per_step + 1, per_step):
         step = order[s : s + per_step]
         if lengths is not None and whole_groups_per_micro_batch:
-            longest = Counter()
+            longest: dict[int, int] = {}
             for i in step:
-                longest[group_ids[i]] = max(longest[group_ids[i]], lengths[i])
+                longest[group_ids[i]] = max(longest.get(group_ids[i], 0), lengths[i])
             step = sorted(step, key=lambda i: (-longest[group_ids[i]], group_ids[i], i))
         elif lengths is not None:
             step = sorted(step, key=lambda i: -lengths[i])
