@@ -74,7 +74,8 @@ def prepare_actor(strategy, model: torch.nn.Module, scheduler_steps: int = 10):
     """Wrap ``model`` in OpenRLHF's ``Actor`` and DeepSpeed engine; returns actor, optim, sched.
 
     The model is built normally and partitioned by ``deepspeed.initialize``: loading under
-    ``zero.Init`` sometimes corrupted a weight with two gloo ranks."""
+    ``zero.Init`` gathers through ``GatheredParameters``, which is unsafe on gloo (see
+    ``whole_parameters``)."""
     from openrlhf.models import Actor
 
     args = strategy.args
@@ -97,6 +98,26 @@ def prepare_actor(strategy, model: torch.nn.Module, scheduler_steps: int = 10):
         scheduler_steps=scheduler_steps,
     )
     return strategy.prepare((actor, cfg))
+
+
+def whole_parameters(module: torch.nn.Module, zero_stage: int) -> list[torch.Tensor]:
+    """Float64 copies of every parameter of ``module``, gathered whole under ZeRO-3.
+
+    Not ``deepspeed.zero.GatheredParameters``: it starts one async all-gather per parameter
+    and waits on the last one only. NCCL completes a stream's collectives in order, so that
+    suffices on GPUs; gloo spreads them over worker threads, and on two CPU ranks about 2% of
+    gathers returned uninitialised memory. Each all-gather here is synchronous
+    (tests/test_whole_parameters.py repeats it many times)."""
+    params = list(module.parameters())
+    if zero_stage != 3:
+        return [p.detach().clone().double() for p in params]
+    world = torch.distributed.get_world_size()
+    whole = []
+    for p in params:
+        parts = [torch.empty_like(p.ds_tensor) for _ in range(world)]
+        torch.distributed.all_gather(parts, p.ds_tensor.detach())
+        whole.append(torch.cat(parts)[: p.ds_numel].view(p.ds_shape).double())
+    return whole
 
 
 @contextmanager

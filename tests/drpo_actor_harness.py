@@ -176,8 +176,6 @@ def dynamic_microsteps(case: Case, world: int, lengths: torch.Tensor, step: torc
 def run_rank(rank: int, world: int, port: int, cases: list[Case], out_dir: str) -> None:
     """One data-parallel rank: OpenRLHF strategy + actor + trainer, DRPO's ppo_train."""
     actor_setup.set_rank_env(rank, world, port)
-    import deepspeed
-
     from drpo_openrlhf.integration.actor_trainer import GROUP_KEY, DRPOActorTrainer
 
     data = rollout()
@@ -194,9 +192,7 @@ def run_rank(rank: int, world: int, port: int, cases: list[Case], out_dir: str) 
         forwards = count_forwards(actor)
         with actor_setup.cuda_queries_answered("cpu", "cpu"):
             status = trainer.ppo_train(0.0)
-        params = list(actor.model.module.parameters())
-        with deepspeed.zero.GatheredParameters(params, enabled=case.zero_stage == 3):
-            weights = [p.detach().clone().double() for p in params]
+        weights = actor_setup.whole_parameters(actor.model.module, case.zero_stage)
         if rank == 0:
             result = {
                 "weights": weights,

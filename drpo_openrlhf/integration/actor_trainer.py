@@ -69,14 +69,11 @@ def correctness(scores: Tensor) -> Tensor:
     return scores == 1
 
 
-def all_gather_scalars(
-    local: ResponseScalars, process_group: dist.ProcessGroup | None = None
-) -> tuple[ResponseScalars, int]:
+def all_gather_scalars(local: ResponseScalars) -> tuple[ResponseScalars, int]:
     """Every rank's scalars, concatenated in rank order, and where this rank's start.
 
     Ranks may hold different numbers of responses (dynamic batching): counts are exchanged
-    first and the columns padded to the largest count for the collective. ``process_group``:
-    the group to use (the trainer's own, see ``DRPOActorTrainer.enable_drpo``)."""
+    first and the columns padded to the largest count for the collective."""
     columns = torch.stack(
         [
             local.score.detach().double(),
@@ -87,18 +84,18 @@ def all_gather_scalars(
             local.microstep.double(),
         ]
     )
-    world = dist.get_world_size(process_group)
+    world = dist.get_world_size()
     count = torch.tensor([columns.shape[1]], device=columns.device)
     counts = [torch.empty_like(count) for _ in range(world)]
-    dist.all_gather(counts, count, group=process_group)
+    dist.all_gather(counts, count)
     counts = [int(c) for c in counts]
     padded = F.pad(columns, (0, max(counts) - columns.shape[1]))
     parts = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded, group=process_group)
+    dist.all_gather(parts, padded)
     merged = torch.cat([p[:, :c] for p, c in zip(parts, counts, strict=True)], dim=1)
     s, kl, tokens, correct, group, micro = merged
     gathered = ResponseScalars(s, kl, tokens, correct.bool(), group.long(), micro.long())
-    return gathered, sum(counts[: dist.get_rank(process_group)])
+    return gathered, sum(counts[: dist.get_rank()])
 
 
 class DRPOActorTrainer(ActorPPOTrainer):
@@ -109,7 +106,6 @@ class DRPOActorTrainer(ActorPPOTrainer):
     drpo_max_len: int
     drpo_layout: Layout
     drpo_one_pass: bool  # fixed micro-batches of whole groups: see the module docstring
-    drpo_group: dist.ProcessGroup  # DRPO's own collectives, apart from DeepSpeed's
 
     def enable_drpo(self, config: DRPOConfig) -> None:
         args = self.args
@@ -125,11 +121,6 @@ class DRPOActorTrainer(ActorPPOTrainer):
             dynamic_batching=args.train.dynamic_batch_enable,
         )
         self.drpo_layout.check()
-        # ZeRO-3 may still have parameter all-gathers (prefetches) in flight on the default
-        # group when a forward returns; ranks reach them at different times, and a DRPO
-        # collective on the same group could be paired with another rank's prefetch
-        # (seen on CPU/gloo under load as a garbage weight). A group of our own avoids that.
-        self.drpo_group = dist.new_group(ranks=list(range(dist.get_world_size())))
         self.drpo_one_pass = (
             config.kl_estimate == "microstep" and self.drpo_layout.groups_fit_micro_batches
         )
@@ -183,7 +174,7 @@ class DRPOActorTrainer(ActorPPOTrainer):
 
     def _all_reduce(self, value: int, op) -> int:
         tensor = torch.tensor([value], device=self._device())
-        dist.all_reduce(tensor, op=op, group=self.drpo_group)
+        dist.all_reduce(tensor, op=op)
         return int(tensor)
 
     def _plan_dynamic(
@@ -200,9 +191,7 @@ class DRPOActorTrainer(ActorPPOTrainer):
         layout = self.drpo_layout
         world = dist.get_world_size()
         everyone: list[list[tuple[int, int]]] = [[] for _ in range(world)]
-        dist.all_gather_object(
-            everyone, list(zip(group_ids, lengths, strict=True)), group=self.drpo_group
-        )
+        dist.all_gather_object(everyone, list(zip(group_ids, lengths, strict=True)))
         step_of = assign_group_steps(
             [g for pairs in everyone for g, _ in pairs],
             layout.n_samples_per_prompt,
@@ -274,7 +263,7 @@ class DRPOActorTrainer(ActorPPOTrainer):
             local = ResponseScalars.concat(
                 [self._scalars(b, j, use_old=policy_is_old) for j, b in enumerate(batches)]
             )
-        gathered, offset = all_gather_scalars(local, self.drpo_group)
+        gathered, offset = all_gather_scalars(local)
         score_coef, kl_coef, metrics = loss_coefficients(gathered, self.drpo, self.drpo_max_len)
         for j, batch in enumerate(batches):
             self._mark_boundary(j, len(batches))
@@ -294,7 +283,7 @@ class DRPOActorTrainer(ActorPPOTrainer):
         for j, batch in enumerate(batches):
             self._mark_boundary(j, len(batches))
             r = self._scalars(batch, j, use_old=False)
-            gathered, offset = all_gather_scalars(r, self.drpo_group)
+            gathered, offset = all_gather_scalars(r)
             if (gathered.group_id.unique(return_counts=True)[1] != n).any():
                 raise LayoutError(f"micro-step {j} does not hold whole prompt groups")
             score_coef, kl_coef = microstep_coefficients(
