@@ -168,6 +168,8 @@ def test_deadline_holds_from_worker_thread():
     """Adversarial answers from a worker thread (as OpenRLHF's asyncio.to_thread calls
     do): each is cut off at the deadline, and the pool keeps grading afterwards."""
     timeout_s = 1.0
+    # started children: their start-up (seconds on a loaded 2-core machine) is not graded time
+    assert grade_responses([r1("\\frac{10}{2}")], ["5"])[0].correct
     with ThreadPoolExecutor(max_workers=1) as ex:
         for latex in ADVERSARIAL:
             start = time.monotonic()
