@@ -22,7 +22,6 @@ import json
 import math
 import os
 import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -305,10 +304,7 @@ def send(kind: str, payload: dict) -> None:
 def run_worker(args: argparse.Namespace) -> None:
     """Build everything for ``args.worker``, then run one timed ``ppo_train`` per ``run`` line
     on stdin until ``done``."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    actor_setup.set_rank_env(0, 1, port, args.device)
+    actor_setup.set_rank_env(0, 1, actor_setup.free_port(), args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     from drpo_openrlhf.algo import DRPOConfig

@@ -10,12 +10,20 @@ needs a compiler toolchain); on CPU also gloo with a CPU device mesh, and answer
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from unittest import mock
 
 import torch
 from stand_ins import install_stand_ins
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now, for a rendezvous on this machine."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def set_rank_env(rank: int, world: int, port: int, device: str = "cpu") -> None:

@@ -3,11 +3,10 @@ single-process reference: same weights after the rollout's optimizer steps, for 
 several micro-batch sizes, packed and padded samples, dynamic batching with groups spread over
 ranks, a short last rollout, one and two data-parallel ranks."""
 
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
+from actor_setup import free_port
 from drpo_actor_harness import (
     PROMPTS,
     TRAIN_BATCH,
@@ -42,12 +41,6 @@ CASES = {
         Case(2, 2, short=6),
     ],
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

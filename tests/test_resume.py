@@ -3,12 +3,12 @@ the checkpoint carries the DRPO settings."""
 
 import logging
 import math
-import socket
 from dataclasses import asdict
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from actor_setup import free_port
 from drpo_actor_harness import Case, drpo_config, openrlhf_args, rollout, tiny_model
 
 from drpo_openrlhf.algo import DRPOConfig
@@ -94,11 +94,10 @@ def resume_worker(rank: int, port: int, ckpt_dir: str, out: str) -> None:
 def test_resume_continues_like_an_uninterrupted_run(tmp_path):
     from drpo_openrlhf.integration import ray_actors
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "result.pt"
-    mp.spawn(resume_worker, args=(port, str(tmp_path / "ckpt"), str(out)), nprocs=1, join=True)
+    mp.spawn(
+        resume_worker, args=(free_port(), str(tmp_path / "ckpt"), str(out)), nprocs=1, join=True
+    )
     result = torch.load(out, weights_only=False)
     for a, b in zip(result["uninterrupted"], result["resumed"], strict=True):
         assert torch.equal(a, b)

@@ -2,11 +2,10 @@
 DeepSpeed's own ``GatheredParameters`` returned uninitialised memory in about 2% of gathers
 (it waits on the last of its async all-gathers only), which made those tests flaky."""
 
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
+from actor_setup import free_port
 
 GATHERS = 300  # at a 2% failure rate per gather, a racy gather passes this 0.2% of the time
 
@@ -27,11 +26,8 @@ def gather_repeatedly(rank: int, world: int, port: int, out: str) -> None:
 def test_zero3_weights_read_back_whole_every_time(tmp_path):
     from drpo_actor_harness import tiny_model
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = str(tmp_path / "gathers.pt")
-    mp.spawn(gather_repeatedly, args=(2, port, out), nprocs=2, join=True)
+    mp.spawn(gather_repeatedly, args=(2, free_port(), out), nprocs=2, join=True)
     expected = [p.detach().double() for p in tiny_model().parameters()]
     gathers = torch.load(out)
     assert len(gathers) == GATHERS

@@ -267,14 +267,14 @@ def check_resumable(state: dict[str, Any], train: TrainConfig, drpo: DRPOConfig 
     """Refuse to continue a run under other settings (``rollout_steps`` may grow)."""
     want = {
         "train": json.loads(json.dumps({**asdict(train), "rollout_steps": None})),
-        "drpo": None if drpo is None else json.loads(json.dumps(asdict(drpo))),
+        "drpo": {} if drpo is None else json.loads(json.dumps(asdict(drpo))),
     }
-    have = {"train": {**state["train"], "rollout_steps": None}, "drpo": state["drpo"]}
+    have = {"train": {**state["train"], "rollout_steps": None}, "drpo": state["drpo"] or {}}
     changed = [
         f"{part}.{key}"
         for part in want
-        for key in sorted(set(want[part] or {}) | set(have[part] or {}))
-        if (want[part] or {}).get(key) != (have[part] or {}).get(key)
+        for key in sorted(want[part].keys() | have[part].keys())
+        if want[part].get(key) != have[part].get(key)
     ]
     if state["method"] != train.method or changed:
         raise ValueError(
@@ -363,6 +363,7 @@ def train(
     kept = metrics_path.read_text().splitlines()[:first] if metrics_path.exists() else []
     metrics_path.write_text("".join(line + "\n" for line in kept))
     checkpoint = dict(train=cfg, drpo=drpo, shaper=shaper, init_model=init_model)
+    saved_step = None  # the step this call last saved a resume state at
 
     bar = tqdm(
         range(first, cfg.rollout_steps),
@@ -445,8 +446,9 @@ def train(
         bar.set_postfix(acc=f"{record['pass_rate']:.2f}", len=f"{record['response_length']:.0f}")
         if save_steps and (step + 1) % save_steps == 0:
             save_resume_state(model, tokenizer, optimizer, output_dir, step=step + 1, **checkpoint)
+            saved_step = step + 1
 
     steps = max(first, cfg.rollout_steps)
-    if not (save_steps and steps % save_steps == 0 and steps > first):
+    if saved_step != steps:
         save_resume_state(model, tokenizer, optimizer, output_dir, step=steps, **checkpoint)
     return save_checkpoint(model, tokenizer, output_dir, step=steps, **checkpoint)
