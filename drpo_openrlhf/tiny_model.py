@@ -46,13 +46,13 @@ CHAT_TEMPLATE = (
 
 # Written last; its presence (with the same seed and format) marks a complete build.
 STAMP_FILE = "tiny_model.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 VOCAB_SIZE = 512
 HIDDEN_SIZE = 64
 NUM_LAYERS = 2
-NUM_HEADS = 4
-NUM_KV_HEADS = 2
+NUM_HEADS = 2
+NUM_KV_HEADS = 1
 INTERMEDIATE_SIZE = 128
 MAX_POSITIONS = 4096
 

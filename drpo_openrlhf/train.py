@@ -147,6 +147,14 @@ def add_drpo_arguments(parser: argparse.ArgumentParser) -> None:
         "(OpenRLHF 0.11.2 only counts episodes); applies to baselines too",
     )
     g.add_argument(
+        "--drpo.max_logprob_gap",
+        type=float,
+        default=0.5,
+        help="stop the run when vLLM's rollout token log-probs differ from the actor's by more "
+        "than this many nats on average (a broken weight sync); logged as "
+        "drpo/rollout_logprob_gap (default %(default)s)",
+    )
+    g.add_argument(
         "--drpo.lambda_by_pass_rate",
         action="store_true",
         help="per-prompt lambda / pass_rate (gentler length pressure on hard prompts)",
@@ -264,7 +272,10 @@ def parse(argv: list[str]) -> tuple[DRPOConfig, SimpleNamespace, list[str]]:
     if max_steps is not None and max_steps < 1:
         parser.error(f"--drpo.max_steps must be >= 1, got {max_steps}")
     run = SimpleNamespace(
-        method=method, params=getattr(args, "shaping.params"), max_steps=max_steps
+        method=method,
+        params=getattr(args, "shaping.params"),
+        max_steps=max_steps,
+        max_logprob_gap=getattr(args, "drpo.max_logprob_gap"),
     )
     try:
         if method:  # PPO on shaped rewards: OpenRLHF validates its own flags

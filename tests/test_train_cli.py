@@ -126,25 +126,33 @@ def test_every_rejected_flag_exists_in_openrlhf():
     assert set(train.REJECTED_FLAGS) <= options and set(train.DRPO_DEFAULTS) <= options
 
 
-def test_main_runs_openrlhf_with_the_drpo_actors(monkeypatch):
+@pytest.fixture
+def entry_point(monkeypatch):
+    """``train.main`` up to OpenRLHF's ``__main__``: what the run would start with, recorded
+    (``seen``) instead of run. CPU mode is process-wide (torch.cuda answers, a Ray cluster),
+    so its two calls are recorded in ``seen["cpu"]`` rather than made."""
+    import openrlhf.trainer.ray as openrlhf_ray
     import openrlhf.utils.config as openrlhf_config
     from openrlhf.trainer import ppo_trainer
-    from openrlhf.trainer.ray import ppo_actor
+    from openrlhf.trainer.ray import ppo_actor, vllm_engine
 
-    from drpo_openrlhf.integration import ray_actors
+    from drpo_openrlhf.integration import cpu_support, launch
+    from drpo_openrlhf.openrlhf_cli import openrlhf_parser
 
     for module, name in [
         (openrlhf_config, "hierarchize"),
         (ppo_actor, "PolicyModelActor"),
         (ppo_trainer, "PPOTrainer"),
+        (vllm_engine, "RolloutRayActor"),
+        (openrlhf_ray, "create_vllm_engines"),
     ]:
         monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
     monkeypatch.setattr(sys, "argv", list(sys.argv))
-    seen = {}
+    seen = {"cpu": [], "stock_actor": ppo_actor.PolicyModelActor}
+    monkeypatch.setattr(cpu_support, "enable", lambda: seen["cpu"].append("enable"))
+    monkeypatch.setattr(launch, "init_cpu_ray", lambda argv: seen["cpu"].append(argv))
 
     def fake_run_module(name, run_name, alter_sys):
-        from drpo_openrlhf.openrlhf_cli import openrlhf_parser
-
         args = openrlhf_config.hierarchize(openrlhf_parser().parse_args(sys.argv[1:]))
         seen.update(
             name=name,
@@ -153,9 +161,17 @@ def test_main_runs_openrlhf_with_the_drpo_actors(monkeypatch):
             args=args,
             actor=ppo_actor.PolicyModelActor,
             trainer=ppo_trainer.PPOTrainer,
+            rollout=vllm_engine.RolloutRayActor,
         )
 
     monkeypatch.setattr(runpy, "run_module", fake_run_module)
+    return seen
+
+
+def test_main_runs_openrlhf_with_the_drpo_actors(entry_point):
+    from drpo_openrlhf.integration import ray_actors
+
+    seen = entry_point
     train.main([*BASE, "--drpo.lam", "0.2", "--drpo.max_steps", "7"])
     assert seen["name"] == "openrlhf.cli.train_ppo_ray" and seen["run_name"] == "__main__"
     assert seen["actor"] is ray_actors.DRPOPolicyModelActor
@@ -163,6 +179,9 @@ def test_main_runs_openrlhf_with_the_drpo_actors(monkeypatch):
     assert seen["args"].drpo_run.method is None and seen["args"].drpo_run.max_steps == 7
     assert seen["args"].drpo.lam == 0.2 and seen["args"].algo.kl.init_coef == 0
     assert "--drpo.lam" not in seen["argv"]
+    # no GPU here: CPU support on, Ray started for the run's own argv, CPU vLLM engines
+    assert seen["cpu"] == ["enable", seen["argv"][1:]]
+    assert seen["rollout"] is ray_actors.CPURolloutRayActor
 
 
 def shell_command_lines(text: str, start: str) -> list[str]:
@@ -231,32 +250,12 @@ def test_bad_baseline_settings_are_usage_errors(extra, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_main_in_baseline_mode_keeps_openrlhfs_actor(monkeypatch):
-    import openrlhf.utils.config as openrlhf_config
-    from openrlhf.trainer import ppo_trainer
-    from openrlhf.trainer.ray import ppo_actor
-
-    for module, name in [
-        (openrlhf_config, "hierarchize"),
-        (ppo_actor, "PolicyModelActor"),
-        (ppo_trainer, "PPOTrainer"),
-    ]:
-        monkeypatch.setattr(module, name, getattr(module, name))
-    monkeypatch.setattr(sys, "argv", list(sys.argv))
-    stock_actor = ppo_actor.PolicyModelActor
-    seen = {}
-    monkeypatch.setattr(
-        runpy,
-        "run_module",
-        lambda *a, **k: seen.update(
-            actor=ppo_actor.PolicyModelActor, trainer=ppo_trainer.PPOTrainer
-        ),
-    )
-    train.main([*BASE, "--shaping.method", "hapo", "--shaping.params", "w=1"])
-    assert seen["actor"] is stock_actor
+def test_main_in_baseline_mode_keeps_openrlhfs_actor(entry_point):
     from drpo_openrlhf.integration.ray_actors import GroupAwarePPOTrainer
 
-    assert seen["trainer"] is GroupAwarePPOTrainer
+    train.main([*BASE, "--shaping.method", "hapo", "--shaping.params", "w=1"])
+    assert entry_point["actor"] is entry_point["stock_actor"]
+    assert entry_point["trainer"] is GroupAwarePPOTrainer
 
 
 def test_reward_path_is_relative_inside_a_ray_working_dir_copy(tmp_path, monkeypatch):

@@ -5,30 +5,97 @@ Imported only when a run starts: it pulls in OpenRLHF's GPU-side modules (vLLM).
 
 from __future__ import annotations
 
+import inspect
+import logging
+import os
 import runpy
 import sys
 from dataclasses import asdict
 from types import SimpleNamespace
 
 from drpo_openrlhf.algo import DRPOConfig
+from drpo_openrlhf.integration import cpu_support
 from drpo_openrlhf.openrlhf_cli import TRAIN_MODULE
+
+logger = logging.getLogger(__name__)
+
+# OpenRLHF's own ray.init environment (cli/train_ppo_ray.py: train), which our ray.init replaces
+RAY_ENV_VARS = {
+    "TOKENIZERS_PARALLELISM": "true",
+    "NCCL_DEBUG": "WARN",
+    "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1",
+}
+
+
+def with_rollout_logprobs(create_vllm_engines):
+    """``create_vllm_engines`` whose engines report the log-probs of the sampled tokens after
+    temperature (OpenRLHF asks for them only for its importance-sampling correction); the
+    driver compares them with the actor's (``drpo/rollout_logprob_gap``)."""
+    signature = inspect.signature(create_vllm_engines)
+
+    def create(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        if bound.arguments.get("logprobs_mode") is None:
+            bound.arguments["logprobs_mode"] = "processed_logprobs"
+        return create_vllm_engines(*bound.args, **bound.kwargs)
+
+    return create
+
+
+def init_cpu_ray(openrlhf_argv: list[str]) -> None:
+    """Ray for a run without a GPU: every worker process installs ``cpu_support`` first. With
+    no cluster to join (no ``RAY_ADDRESS``) a local one is started whose fake GPUs and CPUs
+    cover OpenRLHF's placement groups (one ``{"GPU": 1, "CPU": 1}`` bundle per actor rank and
+    per vLLM engine)."""
+    import ray
+
+    runtime_env = {
+        "env_vars": {k: os.environ.get(k, v) for k, v in RAY_ENV_VARS.items()},
+        "worker_process_setup_hook": "drpo_openrlhf.integration.cpu_support.enable",
+    }
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(runtime_env=runtime_env)
+        return
+    from drpo_openrlhf.openrlhf_cli import openrlhf_parser
+
+    args = vars(openrlhf_parser().parse_args(openrlhf_argv))
+    slots = args["actor.num_nodes"] * args["actor.num_gpus_per_node"]
+    slots += (args["vllm.num_engines"] or 0) * args["vllm.tensor_parallel_size"]
+    ray.init(
+        runtime_env=runtime_env,
+        num_gpus=slots,
+        num_cpus=max(slots + 1, os.cpu_count() or 1),
+        include_dashboard=False,
+    )
 
 
 def run_openrlhf(openrlhf_argv: list[str], config: DRPOConfig, run: SimpleNamespace) -> None:
     """``python -m openrlhf.cli.train_ppo_ray <openrlhf_argv>`` with DRPO's update, or, when
     ``run.method`` names a baseline, with PPO on shaped rewards; ``run.max_steps`` ends it.
 
-    OpenRLHF's ``__main__`` looks up ``PolicyModelActor``, ``PPOTrainer`` and ``hierarchize``
-    at run time, so replacing the module attributes before ``runpy`` runs it is enough: its
-    own parsing, validation, placement groups, vLLM engines, checkpoints and logging stay
-    untouched. ``args.drpo`` and ``args.drpo_run`` travel to every Ray actor inside
-    ``strategy.args``.
+    OpenRLHF's ``__main__`` looks up ``PolicyModelActor``, ``PPOTrainer``,
+    ``create_vllm_engines`` and ``hierarchize`` at run time, so replacing the module
+    attributes before ``runpy`` runs it is enough: its own parsing, validation, placement
+    groups, vLLM engines, checkpoints and logging stay untouched. ``args.drpo`` and
+    ``args.drpo_run`` travel to every Ray actor inside ``strategy.args``. Without a GPU,
+    ``cpu_support`` is enabled here and in every Ray worker.
     """
+    cpu = not cpu_support.has_gpu()
+    if cpu:
+        logger.warning("no CUDA device: CPU run (vLLM CPU engines, gloo weight sync)")
+        cpu_support.enable()
+        init_cpu_ray(openrlhf_argv)
+
+    import openrlhf.trainer.ray as openrlhf_ray
     import openrlhf.utils.config as openrlhf_config
     from openrlhf.trainer import ppo_trainer
-    from openrlhf.trainer.ray import ppo_actor
+    from openrlhf.trainer.ray import ppo_actor, vllm_engine
 
-    from drpo_openrlhf.integration.ray_actors import DRPOPolicyModelActor, GroupAwarePPOTrainer
+    from drpo_openrlhf.integration.ray_actors import (
+        CPURolloutRayActor,
+        DRPOPolicyModelActor,
+        GroupAwarePPOTrainer,
+    )
 
     hierarchize = openrlhf_config.hierarchize
 
@@ -41,6 +108,9 @@ def run_openrlhf(openrlhf_argv: list[str], config: DRPOConfig, run: SimpleNamesp
     openrlhf_config.hierarchize = hierarchize_with_drpo
     if not run.method:
         ppo_actor.PolicyModelActor = DRPOPolicyModelActor
+    if cpu:
+        vllm_engine.RolloutRayActor = CPURolloutRayActor
     ppo_trainer.PPOTrainer = GroupAwarePPOTrainer
+    openrlhf_ray.create_vllm_engines = with_rollout_logprobs(openrlhf_ray.create_vllm_engines)
     sys.argv = [TRAIN_MODULE, *openrlhf_argv]
     runpy.run_module(TRAIN_MODULE, run_name="__main__", alter_sys=True)

@@ -12,11 +12,14 @@ from dataclasses import asdict
 
 import ray
 from openrlhf.trainer import ppo_trainer
-from openrlhf.trainer.ray import ppo_actor
+from openrlhf.trainer.ppo_utils import samples_generator
+from openrlhf.trainer.ray import ppo_actor, vllm_engine
 
 from drpo_openrlhf.algo import DRPOConfig
+from drpo_openrlhf.algo.logprob_gap import logprob_gap, pooled_gap
 from drpo_openrlhf.algo.shaper import GroupRewardShaper
 from drpo_openrlhf.integration.actor_trainer import DRPOActorTrainer
+from drpo_openrlhf.integration.cpu_support import CPU_WORKER_EXTENSION
 from drpo_openrlhf.integration.experience import GroupTaggingExperienceMaker
 from drpo_openrlhf.integration.shaping import ShapingExperienceMaker, advantage_signal_stats
 
@@ -55,6 +58,43 @@ class _DRPOPolicyModelActor(ppo_actor.PolicyModelActor.__ray_actor_class__):
         return super().save_checkpoint(tag, states, metric_value, metric_key)
 
 
+class LogprobGapError(RuntimeError):
+    """vLLM's rollout log-probs are far from the actor's on the same weights."""
+
+
+def rollout_logprob_stats(experiences: list, max_gap: float) -> dict[str, float]:
+    """``drpo/rollout_logprob_gap`` (mean |vLLM - actor| token log-prob) and its max over a
+    rollout; raises ``LogprobGapError`` when the mean exceeds ``max_gap``."""
+    parts = [
+        logprob_gap(e.rollout_log_probs, e.action_log_probs, e.action_mask)
+        for e in experiences
+        if e.rollout_log_probs is not None
+    ]
+    if not parts:
+        return {}
+    mean, largest = pooled_gap(parts)
+    if mean > max_gap:
+        raise LogprobGapError(
+            f"vLLM's rollout log-probs differ from the actor's by {mean:.3g} nats per token "
+            f"on average (max {largest:.3g}; limit --drpo.max_logprob_gap {max_gap}): the "
+            "engines are not sampling from the actor's weights (broken weight sync) or run "
+            "at another precision"
+        )
+    return {"drpo/rollout_logprob_gap": mean, "drpo/rollout_logprob_gap_max": largest}
+
+
+def _sampling_params_with_logprobs(sampling_params):
+    """OpenRLHF asks vLLM for the sampled tokens' log-probs only for its importance-sampling
+    correction (``samples_generator.py: _dispatch_prompts_to_vllm``); we always need them."""
+
+    def build(**kwargs):
+        if kwargs.get("logprobs") is None:
+            kwargs["logprobs"] = 1
+        return sampling_params(**kwargs)
+
+    return build
+
+
 class _MaxStepsReached(Exception):
     """Raised after the checkpoint of the last step to leave OpenRLHF's episode loops."""
 
@@ -65,6 +105,11 @@ class _GroupAwarePPOTrainer(ppo_trainer.PPOTrainer.__ray_actor_class__):
     ``--drpo.max_steps`` rollout steps."""
 
     def __init__(self, *args, **kwargs):
+        if not getattr(samples_generator.SamplingParams, "_drpo_logprobs", False):
+            samples_generator.SamplingParams = _sampling_params_with_logprobs(
+                samples_generator.SamplingParams
+            )
+            samples_generator.SamplingParams._drpo_logprobs = True
         super().__init__(*args, **kwargs)
         run = self.args.drpo_run
         if run.method:
@@ -81,6 +126,7 @@ class _GroupAwarePPOTrainer(ppo_trainer.PPOTrainer.__ray_actor_class__):
 
     def _compute_rollout_stats(self, experiences):
         stats = super()._compute_rollout_stats(experiences)
+        stats.update(rollout_logprob_stats(experiences, self.args.drpo_run.max_logprob_gap))
         if self._shaper is not None:
             stats.update(advantage_signal_stats(experiences))
         return stats
@@ -109,5 +155,14 @@ class _GroupAwarePPOTrainer(ppo_trainer.PPOTrainer.__ray_actor_class__):
         return states
 
 
+class _CPURolloutRayActor(vllm_engine.RolloutRayActor.__ray_actor_class__):
+    """OpenRLHF's vLLM engine actor with the CPU worker extension (``cpu_support``)."""
+
+    async def __init__(self, *args, **kwargs):
+        kwargs["worker_extension_cls"] = CPU_WORKER_EXTENSION
+        await super().__init__(*args, **kwargs)
+
+
 DRPOPolicyModelActor = ray.remote(num_gpus=1)(_DRPOPolicyModelActor)
+CPURolloutRayActor = ray.remote(_CPURolloutRayActor)
 GroupAwarePPOTrainer = ray.remote(_GroupAwarePPOTrainer)

@@ -1,0 +1,126 @@
+"""Running OpenRLHF 0.11.2 on a machine without a GPU: vLLM's CPU build, DeepSpeed on gloo.
+
+OpenRLHF assumes CUDA in a handful of places; each patch below names the upstream line it
+works around. ``enable()`` installs them in the calling process and does nothing where CUDA is
+available, so a GPU run is never touched. ``launch.run_openrlhf`` makes Ray call it at the
+start of every worker process of a CPU run (``worker_process_setup_hook``), and the vLLM
+engines get ``vllm_cpu_worker.CPUWorkerWrap`` as their worker extension, which receives
+weights over gloo.
+
+Weight sync on CPU is a gloo group of its own (``ProcessGroupGloo`` over a ``TCPStore``)
+between actor rank 0 and every vLLM worker. OpenRLHF's default (vLLM's NCCL communicator)
+disables itself without CUDA and turns every broadcast into a silent no-op; Ray's collective
+gloo group re-uses the process's default group, which DeepSpeed and vLLM already own.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+SYNC_TIMEOUT = timedelta(minutes=10)
+CPU_WORKER_EXTENSION = "drpo_openrlhf.integration.vllm_cpu_worker.CPUWorkerWrap"
+
+
+def has_gpu() -> bool:
+    return torch.cuda.is_available()
+
+
+class GlooBroadcastGroup:
+    """The weight-sync group: a gloo process group outside ``torch.distributed``'s default
+    group, with the ``broadcast(tensor, src, stream)`` call OpenRLHF makes on vLLM's NCCL
+    communicator (``trainer/ray/ppo_actor.py``: ``_broadcast_param``)."""
+
+    def __init__(self, master_address: str, master_port: int, rank: int, world_size: int):
+        store = dist.TCPStore(
+            master_address, master_port, world_size, is_master=rank == 0, timeout=SYNC_TIMEOUT
+        )
+        self.group = dist.ProcessGroupGloo(
+            dist.PrefixStore("drpo_weight_sync", store), rank, world_size, SYNC_TIMEOUT
+        )
+        self.store = store  # the group keeps a reference, but the master must outlive it
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, stream: Any = None) -> None:
+        options = dist.BroadcastOptions()
+        options.rootRank = src
+        self.group.broadcast([tensor], options).wait()
+
+
+def _stateless_gloo_group(master_address, master_port, rank, world_size, device=None):
+    """Replaces ``utils/distributed_util.py: stateless_init_process_group`` (PyNcclCommunicator)."""
+    return GlooBroadcastGroup(master_address, master_port, rank, world_size)
+
+
+class _CPUDevice(str):
+    """``torch.cuda.current_device()`` on CPU: ``"cpu"``, which every ``device=`` and ``.to()``
+    in OpenRLHF accepts (``replay_buffer.py``, ``ppo_actor.py: ppo_train``,
+    ``deepspeed.py: all_reduce/all_gather``, ``launcher.py: forward``)."""
+
+
+def _patch_openrlhf() -> None:
+    from openrlhf.trainer.ppo_utils import replay_buffer
+    from openrlhf.trainer.ray import ppo_actor
+    from openrlhf.utils import distributed_util
+    from openrlhf.utils.deepspeed import deepspeed as openrlhf_deepspeed
+    from torch.distributed.device_mesh import init_device_mesh
+
+    # utils/deepspeed/deepspeed.py: init_device_mesh("cuda", ...) in setup_distributed
+    openrlhf_deepspeed.init_device_mesh = lambda _device, *a, **k: init_device_mesh("cpu", *a, **k)
+    # utils/distributed_util.py and ppo_actor.py: the weight-sync group is PyNcclCommunicator
+    distributed_util.stateless_init_process_group = _stateless_gloo_group
+    ppo_actor.stateless_init_process_group = _stateless_gloo_group
+    # utils/deepspeed/deepspeed.py: get_ds_train_config asks for DeepSpeed's FusedAdam, a C++
+    # op JIT-compiled on first use (a minute on 2 cores); torch's AdamW is the same update
+    train_config = openrlhf_deepspeed.DeepspeedStrategy.get_ds_train_config
+    if not getattr(train_config, "_drpo_cpu", False):
+
+        def torch_adam_config(self, *args, **kwargs):
+            config = train_config(self, *args, **kwargs)
+            if "optimizer" in config:
+                config["optimizer"].setdefault("params", {})["torch_adam"] = True
+                config["zero_allow_untested_optimizer"] = True
+            return config
+
+        torch_adam_config._drpo_cpu = True
+        openrlhf_deepspeed.DeepspeedStrategy.get_ds_train_config = torch_adam_config
+    # trainer/ppo_utils/replay_buffer.py: target_device = torch.device(f"cuda:{...}")
+    buffer_init = replay_buffer.NaiveReplayBuffer.__init__
+    if not getattr(buffer_init, "_drpo_cpu", False):
+
+        def cpu_buffer_init(self, *args, **kwargs):
+            current = torch.cuda.current_device
+            torch.cuda.current_device = lambda: 0
+            try:
+                buffer_init(self, *args, **kwargs)
+            finally:
+                torch.cuda.current_device = current
+            self.target_device = torch.device("cpu")
+
+        cpu_buffer_init._drpo_cpu = True
+        replay_buffer.NaiveReplayBuffer.__init__ = cpu_buffer_init
+
+
+def enable() -> None:
+    """Install the CPU patches in this process; a no-op where CUDA is available. Idempotent."""
+    if has_gpu() or getattr(torch.cuda, "_drpo_cpu_support", False):
+        return
+    # torch.cuda queries OpenRLHF makes unconditionally (utils/distributed_util.py:
+    # torch_dist_barrier_and_cuda_sync; deepspeed.py: set_device(local_rank); ppo_actor.py:
+    # broadcast(..., stream=torch.cuda.current_stream()))
+    torch.cuda.current_device = lambda: _CPUDevice("cpu")
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.set_device = lambda *a, **k: None
+    torch.cuda.current_stream = lambda *a, **k: None
+    torch.cuda._drpo_cpu_support = True
+    try:
+        _patch_openrlhf()
+    except ImportError:  # a Ray worker that never imports OpenRLHF (e.g. the job supervisor)
+        torch.cuda._drpo_cpu_support = False
+        raise
+    logger.info("no CUDA device: OpenRLHF runs on CPU (drpo_openrlhf.integration.cpu_support)")
