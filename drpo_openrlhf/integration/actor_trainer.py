@@ -382,7 +382,11 @@ class DRPOActorTrainer(ActorPPOTrainer):
         self.strategy.backward(loss * scale, self.actor, self.actor_optim)
         if last:
             self.strategy.optimizer_step(self.actor_optim, self.actor, self.actor_scheduler)
-            if self.ema_model:  # as OpenRLHF's training_step: acts at the boundary
+            # OpenRLHF's training_step calls moving_average once per micro-batch and it acts
+            # on every accumulated_gradient-th call (every call under dynamic batching);
+            # call it that often per optimizer step, so that it acts once, here
+            calls = 1 if self.drpo_layout.dynamic_batching else self.strategy.accumulated_gradient
+            for _ in range(calls if self.ema_model else 0):
                 self.strategy.moving_average(self.actor, self.ema_model, self.ema_beta, "cuda")
 
     def _drpo_optimizer_step(
