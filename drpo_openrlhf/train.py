@@ -253,7 +253,6 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> DRPOC
         rollout_batch_size=getattr(args, "rollout.batch_size"),
         train_batch_size=getattr(args, "train.batch_size"),
         micro_batch_size=getattr(args, "train.micro_batch_size"),
-        rollout_micro_batch_size=getattr(args, "rollout.micro_batch_size"),
         dynamic_batching=getattr(args, "train.dynamic_batch_enable"),
     ).check()
     return drpo_config(args)

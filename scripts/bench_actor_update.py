@@ -324,7 +324,11 @@ def run_worker(args: argparse.Namespace) -> None:
         trainer.enable_drpo(DRPOConfig(kl_estimate=args.kl_estimate))
     data = synthetic_rollout(args, MODELS[args.model]["vocab_size"])
     old = old_log_probs(actor, data, args.micro_batch, args.device)
-    trainer.replay_buffer.append(actor_setup.experience(data, old, drpo_module.GROUP_KEY))
+    if args.worker == "drpo":  # dealt as DRPO's experience maker deals it (rank 0 of 1)
+        _, info = actor_setup.dealt_share(data["group"], trainer.drpo_layout)
+    else:
+        info = {drpo_module.GROUP_KEY: data["group"]}
+    trainer.replay_buffer.append(actor_setup.experience(data, old, info))
 
     buckets: dict[str, list[float]] = {}
     with ExitStack() as stack:
@@ -345,7 +349,7 @@ def run_worker(args: argparse.Namespace) -> None:
             dict(
                 method=args.worker,
                 optimizer_steps=steps,
-                one_pass=getattr(trainer, "drpo_one_pass", None),
+                mode=getattr(trainer, "drpo_mode", None),
                 response_tokens=int(data["action_mask"].sum()),
                 tokens=int(data["attention_mask"].sum()),
                 params=params,
@@ -472,8 +476,8 @@ def drpo_split(result: dict) -> list[str]:
     ]
 
 
-def _one_pass(results: list[dict]) -> bool:
-    return any(r.get("one_pass") for r in results)
+def _mode(results: list[dict]) -> str:
+    return next((r["mode"] for r in results if r.get("mode")), "-")
 
 
 def number(value: float) -> str:
@@ -506,8 +510,7 @@ def report(args: argparse.Namespace, results: list[dict], load: tuple[float, flo
         f"{'on' if args.gradient_checkpointing else 'off'}, "
         f"{'packed' if args.packing else 'padded'}, attn {args.attn}; "
         f"median of {args.repeats} calls after 1 warm-up",
-        f"DRPO kl_estimate {args.kl_estimate}: "
-        + ("one-pass update" if _one_pass(results) else "scores pass + gradient pass"),
+        f"DRPO kl_estimate {args.kl_estimate}: {_mode(results)} update",
         "",
         f"{'':28}" + "".join(f"{m.upper():>12}" for m in rows) + ("    DRPO/PPO" if both else ""),
     ]

@@ -162,10 +162,12 @@ def ppo_trainer(strategy, actor, optim, scheduler, device: str = "cpu"):
         )
 
 
-def experience(data: dict[str, torch.Tensor], old_log_probs: torch.Tensor, group_key: str):
-    """An OpenRLHF ``Experience`` of right-padded rows, carrying the prompt-group ids in
-    ``info[group_key]`` as the DRPO experience maker does; ``advantages`` when ``data`` has
-    them (for the stock PPO loss)."""
+def experience(
+    data: dict[str, torch.Tensor], old_log_probs: torch.Tensor, info: dict[str, torch.Tensor]
+):
+    """An OpenRLHF ``Experience`` of right-padded rows, with per-row ``info`` (the prompt-group
+    ids and slots the DRPO experience maker adds); ``advantages`` when ``data`` has them (for
+    the stock PPO loss)."""
     from openrlhf.trainer.ppo_utils.experience import Experience
 
     b = data["sequences"].shape[0]
@@ -182,5 +184,19 @@ def experience(data: dict[str, torch.Tensor], old_log_probs: torch.Tensor, group
         total_length=data["attention_mask"].sum(-1).float(),
         prompts=["p"] * b,
         labels=["l"] * b,
-        info={group_key: data["group"]},
+        info=info,
     )
+
+
+def dealt_share(
+    group_ids: torch.Tensor, layout, rank: int = 0, allow_partial: bool = False
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The rollout positions ``rank`` receives under DRPO's cross-rank layout and their
+    ``info`` (group ids and slots), as ``experience.deal_experiences`` deals them."""
+    from drpo_openrlhf.integration.actor_trainer import GROUP_KEY, SLOT_KEY
+    from drpo_openrlhf.integration.layout import deal_rollout
+
+    pairs = deal_rollout(group_ids.tolist(), layout, allow_partial=allow_partial)[rank]
+    positions = torch.tensor([i for i, _ in pairs], dtype=torch.long)
+    slots = torch.tensor([s for _, s in pairs], dtype=torch.long)
+    return positions, {GROUP_KEY: group_ids[positions], SLOT_KEY: slots}

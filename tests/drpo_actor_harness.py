@@ -30,15 +30,28 @@ class Case:
         return f"zero{self.zero_stage}-{batching}-{packed}-{self.kl_estimate}-short{self.short}"
 
 
-def rank_slice(case: Case, rank: int, world: int) -> torch.Tensor:
-    """The rollout positions a rank receives."""
-    per_rank = PROMPTS * N // world
-    # OpenRLHF hands out contiguous slices; under dynamic batching it deals responses out
-    # by length, so a group's responses land on different ranks: interleave to mimic that
+def layout(case: Case, world: int):
+    from drpo_openrlhf.integration.layout import Layout
+
+    return Layout(
+        world, N, PROMPTS, TRAIN_BATCH, case.micro_batch_size, dynamic_batching=case.dynamic
+    )
+
+
+def rank_share(case: Case, rank: int, world: int) -> tuple[torch.Tensor, dict]:
+    """The rollout positions a rank receives and their ``info`` (group ids; slots unless
+    under dynamic batching)."""
+    from drpo_openrlhf.integration.actor_trainer import GROUP_KEY
+
+    group_ids = torch.arange(PROMPTS * N) // N
+    # under dynamic batching OpenRLHF deals responses out by length, so a group's responses
+    # land on different ranks: interleave to mimic that
     if case.dynamic:
-        return torch.arange(rank, PROMPTS * N, world)
-    local = torch.arange(rank * per_rank, (rank + 1) * per_rank)
-    return local[: len(local) - case.short] if rank == world - 1 else local
+        local = torch.arange(rank, PROMPTS * N, world)
+        return local, {GROUP_KEY: group_ids[local]}
+    # the driver deals the (possibly short) rollout as experience.deal_experiences does
+    short = group_ids[: PROMPTS * N - case.short]
+    return actor_setup.dealt_share(short, layout(case, world), rank, case.short > 0)
 
 
 def tiny_model():
@@ -150,10 +163,15 @@ def count_forwards(module: torch.nn.Module) -> list[int]:
     return calls
 
 
-def one_pass_expected(case: Case) -> bool:
-    """The actor's one-pass update applies: micro-step KL, and micro-batches of whole groups
-    or dynamic batching (whose tiny sequences always pack under ``MAX_TOKENS``)."""
-    return case.kl_estimate == "microstep" and (case.dynamic or case.micro_batch_size % N == 0)
+def whole_group_microsteps(case: Case, world: int) -> bool:
+    """Global micro-steps hold whole groups: dynamic batching (whose tiny sequences always
+    pack under ``MAX_TOKENS``) or ``n`` dividing micro-batch x ranks."""
+    return case.dynamic or (case.micro_batch_size * world) % N == 0
+
+
+def one_pass_expected(case: Case, world: int) -> bool:
+    """The actor's one-pass update applies: micro-step KL and whole-group micro-steps."""
+    return case.kl_estimate == "microstep" and whole_group_microsteps(case, world)
 
 
 def dynamic_microsteps(case: Case, world: int, lengths: torch.Tensor, step: torch.Tensor):
@@ -165,7 +183,7 @@ def dynamic_microsteps(case: Case, world: int, lengths: torch.Tensor, step: torc
         return [step]
     shares = {int(g): [0] * world for g in (step // N).unique()}
     for rank in range(world):
-        for i in rank_slice(case, rank, world).tolist():
+        for i in rank_share(case, rank, world)[0].tolist():
             if i // N in shares:
                 shares[i // N][rank] += int(lengths[i])
     groups = pack_group_microsteps(shares, MAX_TOKENS)
@@ -176,19 +194,19 @@ def dynamic_microsteps(case: Case, world: int, lengths: torch.Tensor, step: torc
 def run_rank(rank: int, world: int, port: int, cases: list[Case], out_dir: str) -> None:
     """One data-parallel rank: OpenRLHF strategy + actor + trainer, DRPO's ppo_train."""
     actor_setup.set_rank_env(rank, world, port)
-    from drpo_openrlhf.integration.actor_trainer import GROUP_KEY, DRPOActorTrainer
+    from drpo_openrlhf.integration.actor_trainer import DRPOActorTrainer
 
     data = rollout()
     old = old_log_probs(data)
     for case in cases:
-        local = rank_slice(case, rank, world)
+        local, info = rank_share(case, rank, world)
         strategy = actor_setup.setup_strategy(openrlhf_args(case, world), "fp32")
         actor, optim, scheduler = actor_setup.prepare_actor(strategy, tiny_model())
         trainer = actor_setup.ppo_trainer(strategy, actor, optim, scheduler)
         trainer.__class__ = DRPOActorTrainer
         trainer.enable_drpo(drpo_config(case))
         local_data = {k: v[local] for k, v in data.items()}
-        trainer.replay_buffer.append(actor_setup.experience(local_data, old[local], GROUP_KEY))
+        trainer.replay_buffer.append(actor_setup.experience(local_data, old[local], info))
         forwards = count_forwards(actor)
         with actor_setup.cuda_queries_answered("cpu", "cpu"):
             status = trainer.ppo_train(0.0)
@@ -197,7 +215,7 @@ def run_rank(rank: int, world: int, port: int, cases: list[Case], out_dir: str) 
             result = {
                 "weights": weights,
                 "status": status,
-                "one_pass": trainer.drpo_one_pass,
+                "mode": None if case.dynamic else trainer.drpo_mode,
                 "forwards": len(forwards),
             }
             torch.save(result, os.path.join(out_dir, case.name + ".pt"))
@@ -209,7 +227,6 @@ def reference_weights(case: Case, world: int) -> tuple[list[torch.Tensor], list[
     from openrlhf.models import Actor
 
     from drpo_openrlhf.algo import ResponseScalars, minibatch_loss, response_scalars
-    from drpo_openrlhf.integration.layout import Layout, plan_optimizer_steps
 
     data = rollout()
     old = old_log_probs(data)
@@ -218,7 +235,7 @@ def reference_weights(case: Case, world: int) -> tuple[list[torch.Tensor], list[
     optim = torch.optim.AdamW(
         actor.parameters(), lr=LR, betas=(0.9, 0.999), eps=1.0, weight_decay=0
     )
-    layout = Layout(world, N, PROMPTS, TRAIN_BATCH, case.micro_batch_size)
+    micro_steps = layout(case, world).micro_steps
     if case.dynamic:  # steps of whole groups in id order
         groups_per_step = TRAIN_BATCH // N
         lengths = data["attention_mask"].sum(-1)
@@ -228,25 +245,15 @@ def reference_weights(case: Case, world: int) -> tuple[list[torch.Tensor], list[
             )
             for k in range(PROMPTS // groups_per_step)
         ]
-    else:
-        slices = [rank_slice(case, r, world) for r in range(world)]
-        plans = [
-            plan_optimizer_steps(
-                data["group"][sl].tolist(),
-                N,
-                layout,
-                lengths=data["attention_mask"][sl].sum(-1).tolist(),
-                allow_partial=case.short > 0,
-                whole_groups_per_micro_batch=one_pass_expected(case),
-            )
-            for sl in slices
-        ]
+    else:  # global micro-step j of step k: every rank's responses in slot k * M + j
+        from drpo_openrlhf.integration.actor_trainer import SLOT_KEY
+
+        shares = [rank_share(case, r, world) for r in range(world)]
+        positions = torch.cat([p for p, _ in shares])
+        slots = torch.cat([info[SLOT_KEY] for _, info in shares])
         steps = [
-            [
-                torch.tensor([int(slices[r][i]) for r in range(world) for i in plans[r][k][j]])
-                for j in range(layout.micro_steps)
-            ]
-            for k in range(min(len(p) for p in plans))
+            [positions[slots == k * micro_steps + j] for j in range(micro_steps)]
+            for k in range(int(slots.max()) // micro_steps + 1)
         ]
     losses = []
     for step in steps:

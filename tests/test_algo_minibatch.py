@@ -8,6 +8,7 @@ import torch
 from drpo_openrlhf.algo import (
     DRPOConfig,
     ResponseScalars,
+    group_score_coefficients,
     loss_coefficients,
     microstep_coefficients,
     minibatch_loss,
@@ -164,6 +165,51 @@ def test_one_pass_microstep_gradient_is_exact(seed, options):
     whole, _ = one_piece_gradient(policy, old_log_probs, rollout, micro_batches, config)
     assert whole.abs().max() > 1e-3
     assert torch.allclose(one_pass, whole, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("far", [True, False], ids=["hinge-active", "hinge-inactive"])
+@pytest.mark.parametrize(
+    "options", [{}, {"lam": math.inf}, {"keep_all_wrong": True, "lambda_by_pass_rate": True}]
+)
+def test_score_pass_then_penalty_pass_gives_the_minibatch_gradient(seed, far, options):
+    """Mini-batch KL, whole groups per micro-step: micro-step-local score coefficients in one
+    pass, the penalty in a second pass only when the mini-batch KL exceeds delta."""
+    num_prompts, n = 7, 4
+    rollout = make_rollout(seed, num_prompts, n)
+    features, tokens, mask, correct, group_ids = rollout
+    policy = ToyPolicy(seed)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(seed)
+        # pi_old above pi_theta on the tokens: KL about 0.05 (hinge active) or 0 (inactive)
+        old_log_probs = policy(features, tokens) + far * 0.1 * torch.rand(MAX_T, generator=gen)
+    config = DRPOConfig(kl_estimate="minibatch", **options)
+    micro_batches = group_micro_batches(seed, num_prompts, n)
+
+    def scalars(k, idx):
+        lp = policy(features[idx], tokens[idx])
+        return response_scalars(lp, old_log_probs[idx], mask[idx], correct[idx], group_ids[idx], k)
+
+    policy.zero_grad()
+    parts = []
+    for k, idx in enumerate(micro_batches):
+        r = scalars(k, idx)
+        score_coef = group_score_coefficients(r, config, MAX_T, num_groups=num_prompts)
+        surrogate_loss(r.score, r.kl_sum, score_coef, torch.zeros_like(score_coef)).backward()
+        parts.append(r)
+    _, kl_coef, metrics = loss_coefficients(ResponseScalars.concat(parts), config, MAX_T)
+    assert bool((kl_coef != 0).any()) == far == bool(metrics["hinge_active"])
+    if far:  # the penalty pass
+        start = 0
+        for k, idx in enumerate(micro_batches):
+            r = scalars(k, idx)
+            kl = kl_coef[start : start + len(idx)]
+            surrogate_loss(r.score, r.kl_sum, torch.zeros_like(kl), kl).backward()
+            start += len(idx)
+    two_pass = policy.weight.grad.clone()
+    whole, _ = one_piece_gradient(policy, old_log_probs, rollout, micro_batches, config)
+    assert whole.abs().max() > 1e-3
+    assert torch.allclose(two_pass, whole, rtol=1e-10, atol=1e-12)
 
 
 def test_microstep_coefficients_refuse_what_they_cannot_split():

@@ -1,7 +1,8 @@
 """The real DRPO update inside OpenRLHF's actor (DeepSpeed, gloo ranks) equals a one-piece,
 single-process reference: same weights after the rollout's optimizer steps, for ZeRO 0/2/3,
 several micro-batch sizes, packed and padded samples, dynamic batching with groups spread over
-ranks, a short last rollout, one and two data-parallel ranks."""
+ranks, a short last rollout, one, two and four data-parallel ranks (groups dealt across them
+as in the released code: rank r holds response r of every prompt when ranks = n)."""
 
 import pytest
 import torch
@@ -18,27 +19,35 @@ from drpo_actor_harness import (
     rollout,
     run_rank,
     tiny_model,
+    whole_group_microsteps,
 )
 
 CASES = {
     1: [
         Case(0, 1),
-        Case(2, 4),
+        Case(2, 4),  # n = 4 rows: whole groups per micro-step, penalty pass when needed
         Case(3, 16),
         Case(2, 2, packing=True),
         Case(2, 8, kl_estimate="microstep"),
     ],
     2: [
-        Case(2, 1),
+        Case(2, 1),  # 2 rows per global micro-step cannot hold a group: scores pass
         Case(3, 2),
         Case(3, 8, packing=True),
         Case(2, 4, kl_estimate="microstep"),
         Case(3, 4, packing=True, kl_estimate="microstep"),
-        Case(2, 2, kl_estimate="microstep"),
+        Case(2, 2, kl_estimate="microstep"),  # groups split over both ranks, one pass
+        Case(2, 1, kl_estimate="microstep"),
         Case(3, 1, packing=True, dynamic=True),
         Case(2, 1, packing=True, dynamic=True, kl_estimate="microstep"),
         Case(2, 1, dynamic=True),  # ZeRO-2 accumulates over dynamic micro-batches
         Case(2, 2, short=6),
+    ],
+    4: [  # rank r holds response r of every prompt (W = n), as in the released code
+        Case(2, 1, kl_estimate="microstep"),
+        Case(3, 1, packing=True, kl_estimate="microstep"),
+        Case(3, 2),
+        Case(2, 1, packing=True),
     ],
 }
 
@@ -77,16 +86,33 @@ def test_drpo_update_matches_one_piece_reference(distributed_results, world, cas
     [(w, c) for w, cases in CASES.items() for c in cases if not c.dynamic and not c.short],
     ids=str,
 )
-def test_one_pass_update_skips_the_scores_pass(distributed_results, world, case):
-    """Forwards per rank: one per micro-batch in one-pass mode; otherwise the scores pass adds
-    as many again on every optimizer step but the rollout's first."""
+def test_forwards_per_optimizer_step(distributed_results, world, case):
+    """Forwards per rank: one per micro-batch when global micro-steps hold whole groups, plus
+    the penalty pass's on the steps that needed it (mini-batch KL); otherwise the scores pass
+    adds as many again on every optimizer step but the rollout's first."""
     got = distributed_results[world, case]
-    assert got["one_pass"] == (one_pass_expected(case) and not case.dynamic)
-    assert got["status"]["drpo/one_pass"] == float(one_pass_expected(case))
     steps = PROMPTS * N // TRAIN_BATCH
     micro_steps = TRAIN_BATCH // world // case.micro_batch_size
-    scores_pass = 0 if got["one_pass"] else (steps - 1) * micro_steps
-    assert got["forwards"] == steps * micro_steps + scores_pass
+    status = got["status"]
+    if not whole_group_microsteps(case, world):
+        assert got["mode"] == "scores_pass"
+        assert got["forwards"] == (2 * steps - 1) * micro_steps
+        return
+    assert got["mode"] == ("one_pass" if one_pass_expected(case, world) else "penalty_pass")
+    penalty_steps = round(status["drpo/penalty_pass"] * steps)
+    assert status["drpo/one_pass"] == pytest.approx(1 - penalty_steps / steps)
+    if case.kl_estimate == "microstep":
+        assert penalty_steps == 0
+    assert got["forwards"] == (steps + penalty_steps) * micro_steps
+
+
+@pytest.mark.slow
+def test_penalty_pass_runs_only_when_the_minibatch_kl_exceeds_delta(distributed_results):
+    """The first step of a rollout has KL 0 (no second pass); later ones here exceed delta."""
+    for world, case in [(1, Case(2, 4)), (2, Case(3, 2)), (4, Case(3, 2))]:
+        status = distributed_results[world, case]["status"]
+        steps = PROMPTS * N // TRAIN_BATCH
+        assert 0 < status["drpo/penalty_pass"] <= (steps - 1) / steps
 
 
 @pytest.mark.slow

@@ -1,10 +1,15 @@
+from collections import Counter
+
 import pytest
 
 from drpo_openrlhf.integration.layout import (
+    UNTRAINED,
     Layout,
     LayoutError,
     assign_group_steps,
+    deal_rollout,
     pack_group_microsteps,
+    plan_from_slots,
     plan_optimizer_steps,
 )
 
@@ -31,11 +36,10 @@ def test_paper_layout_is_accepted():
     ("overrides", "message"),
     [
         (dict(n_samples_per_prompt=1), "n_samples_per_prompt >= 2"),
-        (dict(rollout_batch_size=100), "multiple of the 8 actor ranks"),
-        (dict(world_size=64), "multiple of n_samples_per_prompt x actor ranks"),
+        (dict(train_batch_size=252), "multiple of n_samples_per_prompt \\(8\\)"),
         (dict(train_batch_size=384), "must divide the rollout's 1024 responses"),
+        (dict(world_size=48), "multiple of the 48 actor ranks"),
         (dict(micro_batch_size=3), "must divide the 32 responses"),
-        (dict(rollout_micro_batch_size=48), "--rollout.micro_batch_size \\(48\\)"),
     ],
 )
 def test_layouts_that_would_break_groups_are_rejected(overrides, message):
@@ -125,3 +129,76 @@ def test_group_microsteps_respect_every_ranks_budget():
 )
 def test_group_microsteps_impossible_layouts_give_none(shares):
     assert pack_group_microsteps(shares, 40) is None
+
+
+@pytest.mark.parametrize(("world", "micro"), [(8, 4), (16, 2), (32, 1), (64, 4), (64, 1)])
+def test_paper_batch_runs_in_one_pass_on_any_rank_count_dividing_it(world, micro):
+    """256 responses per step on up to 64 ranks (groups split over ranks beyond 32): every
+    global micro-step can hold whole groups."""
+    layout = paper_layout(world_size=world, micro_batch_size=micro)
+    layout.check()
+    assert layout.groups_fit_micro_steps
+
+
+def test_micro_steps_that_cannot_hold_a_group_still_train_whole_groups_per_step():
+    layout = Layout(3, 4, 6, 12, 1)  # 3 rows per global micro-step, groups of 4
+    layout.check()
+    assert not layout.groups_fit_micro_steps
+
+
+def whole_groups(positions: list[int], group_ids: list[int], n: int) -> bool:
+    return set(Counter(group_ids[i] for i in positions).values()) == {n}
+
+
+@pytest.mark.parametrize(
+    ("world", "n", "prompts", "step", "micro"),
+    [
+        (8, 8, 8, 32, 4),  # the released layout, fewer prompts: W = n
+        (2, 4, 8, 16, 1),  # W | n; 2 rows per micro-step cannot hold a group
+        (2, 4, 8, 16, 2),  # W | n, one group per micro-step
+        (8, 4, 4, 16, 1),  # n | W: a group spans 4 ranks
+        (16, 8, 4, 32, 2),  # n | W, 4 groups per micro-step
+        (3, 4, 6, 12, 2),  # neither; 6 rows per micro-step cannot hold whole groups
+        (3, 4, 6, 12, 4),  # neither; 12 rows = 3 whole groups per micro-step
+    ],
+)
+def test_dealt_rollout_keeps_groups_whole_per_step_and_per_micro_step_when_they_fit(
+    world, n, prompts, step, micro
+):
+    layout = Layout(world, n, prompts, step, micro)
+    layout.check()
+    group_ids = [i // n for i in range(prompts * n)]
+    dealt = deal_rollout(group_ids, layout)
+    positions = [[i for i, _ in pairs] for pairs in dealt]
+    assert sorted(i for p in positions for i in p) == list(range(prompts * n))
+    plans = [plan_from_slots([s for _, s in pairs], layout) for pairs in dealt]
+    for k in range(prompts * n // step):
+        in_step = [positions[r][i] for r in range(world) for mb in plans[r][k] for i in mb]
+        assert len(in_step) == step and whole_groups(in_step, group_ids, n)
+        for j in range(layout.micro_steps):
+            assert all(len(plan[k][j]) == micro for plan in plans)
+            micro_step = [positions[r][i] for r in range(world) for i in plans[r][k][j]]
+            assert whole_groups(micro_step, group_ids, n) == layout.groups_fit_micro_steps
+    if world == n:  # the released code's layout: rank r holds response r of every prompt
+        assert all(i % n == r for r in range(world) for i in positions[r])
+
+
+def test_a_short_rollout_deals_its_whole_steps_and_leaves_the_rest_untrained():
+    layout = Layout(2, 2, 4, 4, 1)
+    ids = [0, 0, 1, 1, 2, 2, 3]  # group 3 lost a response: one whole step of groups 0-1
+    with pytest.raises(LayoutError, match="prompt group 3 has 1 responses"):
+        deal_rollout(ids, layout)
+    dealt = deal_rollout(ids, layout, allow_partial=True)
+    assert dealt == [
+        [(0, 0), (2, 1), (4, UNTRAINED), (6, UNTRAINED)],
+        [(1, 0), (3, 1), (5, UNTRAINED)],
+    ]
+    assert plan_from_slots([s for _, s in dealt[1]], layout) == [[[0], [1]]]
+
+
+def test_slots_that_do_not_fill_the_micro_batches_are_refused():
+    layout = Layout(1, 2, 2, 4, 2)
+    with pytest.raises(LayoutError, match="do not fill micro-batches of 2"):
+        plan_from_slots([0, 0, 1], layout)
+    with pytest.raises(LayoutError, match="do not fill micro-batches of 2"):
+        plan_from_slots([0, 0, 1, 1, 2, 2], layout)  # half an optimizer step

@@ -37,12 +37,11 @@ def train_rollout(actor, trainer, seed: int) -> None:
     """One rollout whose old log-probs come from the current policy, as in OpenRLHF."""
     import actor_setup
 
-    from drpo_openrlhf.integration.actor_trainer import GROUP_KEY
-
     data = rollout(seed)
     with torch.no_grad():
         old = actor(data["sequences"], data["action_mask"], attention_mask=data["attention_mask"])
-    trainer.replay_buffer.append(actor_setup.experience(data, old, GROUP_KEY))
+    _, info = actor_setup.dealt_share(data["group"], trainer.drpo_layout)
+    trainer.replay_buffer.append(actor_setup.experience(data, old, info))
     with actor_setup.cuda_queries_answered("cpu", "cpu"):
         trainer.ppo_train(0.0)
     trainer.replay_buffer.clear()

@@ -109,10 +109,14 @@ def test_incompatible_or_invalid_flags_are_usage_errors(extra, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_dynamic_batching_relaxes_the_per_rank_layout():
-    argv = [*BASE, "--actor.num_gpus_per_node", "64", "--train.dynamic_batch_enable"]
+def test_the_paper_batch_runs_on_64_gpus_and_refuses_a_rank_count_that_does_not_divide_it():
+    """Groups may be split over ranks (cross-rank layout): 8 nodes x 8 GPUs at 256 responses
+    per optimizer step; 48 ranks cannot share 256 responses evenly."""
+    train.parse([*BASE, "--actor.num_nodes", "8", "--actor.num_gpus_per_node", "8"])
+    train.parse([*BASE, "--actor.num_gpus_per_node", "64", "--train.micro_batch_size", "1"])
     with pytest.raises(SystemExit):
-        train.parse([*BASE, "--actor.num_gpus_per_node", "64"])
+        train.parse([*BASE, "--actor.num_gpus_per_node", "48"])
+    argv = [*BASE, "--actor.num_gpus_per_node", "48", "--train.dynamic_batch_enable"]
     _, _, openrlhf_argv = train.parse(argv)
     assert "--train.dynamic_batch_enable" in openrlhf_argv
 

@@ -7,6 +7,7 @@ from drpo_openrlhf.algo.config import DRPOConfig
 from drpo_openrlhf.algo.length_reward import LENGTH_REWARDS, length_reward
 from drpo_openrlhf.algo.minibatch import (
     ResponseScalars,
+    group_score_coefficients,
     loss_coefficients,
     microstep_coefficients,
     minibatch_loss,
@@ -25,6 +26,7 @@ __all__ = [
     "ResponseScalars",
     "drpo_loss",
     "drpo_objective",
+    "group_score_coefficients",
     "kl_estimate",
     "kl_penalty",
     "kl_sums",

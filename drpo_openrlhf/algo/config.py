@@ -1,4 +1,5 @@
-"""DRPO hyper-parameters, with defaults that reproduce the authors' released runs."""
+"""DRPO hyper-parameters, with defaults that reproduce the authors' released runs except the KL
+estimate (``kl_estimate``: Algorithm 1's by default, the released code's on request)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ class DRPOConfig:
       paper's ``beta0 [KL - delta]_+^2``, twice that gradient.
     - ``kl_estimate``: ``"minibatch"`` takes the token-mean KL over the whole mini-batch, as
       Algorithm 1 writes it, so the update does not depend on micro-batching or sharding;
-      ``"microstep"`` averages one penalty per (global) micro-step, as the released code does.
+      ``"microstep"`` averages one penalty per (global) micro-step, as the released code does
+      (the default deviates from the released runs here, on purpose).
     - ``length_reward``, ``max_len``: the shape of ``r_l`` and its ``C``; ``None`` means the
       generation budget (``--rollout.max_new_tokens``), the authors' choice.
     - ``keep_all_wrong``, ``all_correct_length_signal``, ``lambda_by_pass_rate``: options of

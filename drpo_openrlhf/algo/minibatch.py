@@ -179,6 +179,21 @@ def microstep_coefficients(
     return score_coef * (local_groups / num_groups), kl_coef / num_microsteps
 
 
+def group_score_coefficients(
+    r: ResponseScalars, config: DRPOConfig, max_len: float, num_groups: int
+) -> Tensor:
+    """``dL/ds_i`` of the mini-batch loss for responses that form whole prompt groups, from
+    their own scalars, under either KL estimate.
+
+    The penalty depends on the scores not at all, and the objective is a sum over groups
+    divided by the mini-batch's ``num_groups``: the coefficients of the groups' own objective
+    (penalty off), rescaled by their share of the groups, are the mini-batch's.
+    """
+    objective_only = replace(config, beta0=0.0)
+    score_coef, _, _ = loss_coefficients(r, objective_only, max_len)
+    return score_coef * (r.group_id.unique().numel() / num_groups)
+
+
 def surrogate_loss(score: Tensor, kl_sum: Tensor, score_coef: Tensor, kl_coef: Tensor) -> Tensor:
     """Linear stand-in whose gradient is this micro-batch's share of ``grad L``."""
     dtype = score.dtype

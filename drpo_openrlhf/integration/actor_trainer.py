@@ -1,6 +1,8 @@
 """DRPO's actor update, replacing the PPO loss of OpenRLHF's ``ActorPPOTrainer``.
 
-Each optimizer step takes whole prompt groups (``layout.plan_optimizer_steps``) and runs:
+The rollout reaches the ranks dealt by ``experience.deal_experiences`` (the cross-rank layout
+of ``layout.deal_rollout``): every response carries its optimizer step and micro-batch, every
+optimizer step holds whole prompt groups across the ranks. An optimizer step runs:
 
 1. *scores pass*: the per-response scalars (score, KL sum, token count) of the step's
    micro-batches, without a graph. On the first step of a rollout the policy still equals
@@ -13,10 +15,16 @@ Each optimizer step takes whole prompt groups (``layout.plan_optimizer_steps``) 
    gradient of the paper's objective over the mini-batch.
 
 *One pass*: with ``kl_estimate="microstep"`` and global micro-steps that hold whole groups
-(fixed micro-batches of a multiple of ``n``, or under dynamic batching groups packed into
-micro-steps by ``pack_group_microsteps``), a micro-step's scalars alone give its
-coefficients (``microstep_coefficients``), so each micro-batch is forwarded once, its
-scalars gathered, and back-propagated at once: no scores pass, the cost of a PPO update.
+(``n`` divides micro-batch x ranks, or under dynamic batching groups packed into micro-steps
+by ``pack_group_microsteps``), a micro-step's scalars alone give its coefficients
+(``microstep_coefficients``), so each micro-batch is forwarded once, its scalars gathered,
+and back-propagated at once: no scores pass, the cost of a PPO update.
+
+*Penalty pass*: with ``kl_estimate="minibatch"`` and such micro-steps, the score terms'
+coefficients are micro-step-local too (``group_score_coefficients``) and are
+back-propagated in one pass; the penalty's only depend on the mini-batch KL, known once the
+last micro-step is forwarded. Only when it exceeds ``delta`` does a second pass
+back-propagate the penalty (``drpo/penalty_pass``: the fraction of steps that needed it).
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from torch import Tensor
 from drpo_openrlhf.algo import (
     DRPOConfig,
     ResponseScalars,
+    group_score_coefficients,
     loss_coefficients,
     microstep_coefficients,
     response_scalars,
@@ -50,11 +59,13 @@ from drpo_openrlhf.integration.layout import (
     LayoutError,
     assign_group_steps,
     pack_group_microsteps,
-    plan_optimizer_steps,
+    plan_from_slots,
 )
 
 logger = logging.getLogger(__name__)
 GROUP_KEY = "drpo_group"  # experience.info key carrying each response's prompt-group id
+SLOT_KEY = "drpo_slot"  # its global micro-step in the rollout (``layout.deal_rollout``)
+ONE_PASS, PENALTY_PASS, SCORES_PASS = "one_pass", "penalty_pass", "scores_pass"
 
 
 def correctness(scores: Tensor) -> Tensor:
@@ -105,7 +116,6 @@ class DRPOActorTrainer(ActorPPOTrainer):
     drpo: DRPOConfig
     drpo_max_len: int
     drpo_layout: Layout
-    drpo_one_pass: bool  # fixed micro-batches of whole groups: see the module docstring
 
     def enable_drpo(self, config: DRPOConfig) -> None:
         args = self.args
@@ -117,13 +127,9 @@ class DRPOActorTrainer(ActorPPOTrainer):
             rollout_batch_size=args.rollout.batch_size,
             train_batch_size=args.train.batch_size,
             micro_batch_size=self.micro_train_batch_size,
-            rollout_micro_batch_size=args.rollout.micro_batch_size,
             dynamic_batching=args.train.dynamic_batch_enable,
         )
         self.drpo_layout.check()
-        self.drpo_one_pass = (
-            config.kl_estimate == "microstep" and self.drpo_layout.groups_fit_micro_batches
-        )
         if self.drpo_layout.dynamic_batching:
             return
         if self.drpo_layout.micro_steps != self.strategy.accumulated_gradient:
@@ -132,45 +138,65 @@ class DRPOActorTrainer(ActorPPOTrainer):
                 f"step but the DRPO plan has {self.drpo_layout.micro_steps}"
             )
 
+    @property
+    def drpo_mode(self) -> str:
+        """How a step of fixed micro-batches runs: one pass, one pass plus a penalty pass when
+        needed, or a scores pass first (global micro-steps cannot hold whole groups)."""
+        if not self.drpo_layout.groups_fit_micro_steps:
+            return SCORES_PASS
+        return ONE_PASS if self.drpo.kl_estimate == "microstep" else PENALTY_PASS
+
     def ppo_train(self, kl_ctl: float) -> dict[str, float]:
         items = self.replay_buffer.items
-        group_ids = [int(item.info[GROUP_KEY]) for item in items]
-        # Only the short last rollout of an episode may leave groups out (OpenRLHF does not
-        # align its chunks to groups then); a full rollout that does not fit is an error.
-        total = self._all_reduce(len(items), dist.ReduceOp.SUM)
-        partial = (
-            total < self.drpo_layout.rollout_batch_size * self.drpo_layout.n_samples_per_prompt
-        )
-        lengths = [int(item.attention_mask.sum()) for item in items]
         if self.drpo_layout.dynamic_batching:
-            plan, one_pass = self._plan_dynamic(group_ids, lengths, partial)
+            group_ids = [int(item.info[GROUP_KEY]) for item in items]
+            lengths = [int(item.attention_mask.sum()) for item in items]
+            # Only the short last rollout of an episode may leave groups out; a full rollout
+            # that does not fit is an error.
+            total = self._all_reduce(len(items), dist.ReduceOp.SUM)
+            layout = self.drpo_layout
+            partial = total < layout.rollout_batch_size * layout.n_samples_per_prompt
+            plan, modes = self._plan_dynamic(group_ids, lengths, partial)
         else:
-            plan = plan_optimizer_steps(
-                group_ids,
-                self.drpo_layout.n_samples_per_prompt,
-                self.drpo_layout,
-                lengths=lengths,
-                allow_partial=partial,
-                whole_groups_per_micro_batch=self.drpo_one_pass,
-            )
-            plan = plan[: self._all_reduce(len(plan), dist.ReduceOp.MIN)]
-            one_pass = [self.drpo_one_pass] * len(plan)
+            plan, modes = self._plan_dealt(items)
         planned = sum(len(mb) for step in plan for mb in step)
         dropped = self._all_reduce(len(items) - planned, dist.ReduceOp.SUM)
         if dropped:
             logger.warning(
-                "DRPO: the last rollout of the episode is short; %d of its %d responses do not "
+                "DRPO: the last rollout of the episode is short; %d of its responses do not "
                 "form whole prompt groups of whole optimizer steps and are not trained on",
                 dropped,
-                total,
             )
         step_metrics = []
         for k, step in enumerate(plan):
             batches = [make_experience_batch([items[i] for i in mb]) for mb in step]
             step_metrics.append(
-                self._drpo_optimizer_step(batches, policy_is_old=k == 0, one_pass=one_pass[k])
+                self._drpo_optimizer_step(batches, policy_is_old=k == 0, mode=modes[k])
             )
         return {**_mean_metrics(step_metrics), "drpo/dropped_responses": float(dropped)}
+
+    def _plan_dealt(self, items: list) -> tuple[list[list[list[int]]], list[str]]:
+        """Fixed micro-batches: the plan the driver dealt (``SLOT_KEY``). For a scores-pass
+        step under the mini-batch KL, whose update does not depend on the cut, each rank's
+        share is re-cut longest first, so that micro-batches pad little."""
+        if any(SLOT_KEY not in item.info for item in items):
+            raise LayoutError(
+                "the rollout reached this rank without DRPO's slots: it must be dealt by "
+                "drpo_openrlhf.integration.experience.GroupTaggingExperienceMaker"
+            )
+        slots = [int(item.info[SLOT_KEY]) for item in items]
+        plan = plan_from_slots(slots, self.drpo_layout)
+        fewest = self._all_reduce(len(plan), dist.ReduceOp.MIN)
+        if fewest != self._all_reduce(len(plan), dist.ReduceOp.MAX):
+            raise LayoutError("the actor ranks received different numbers of optimizer steps")
+        mode = self.drpo_mode
+        if mode == SCORES_PASS and self.drpo.kl_estimate == "minibatch":
+            m = self.drpo_layout.micro_batch_size
+            lengths = [int(item.attention_mask.sum()) for item in items]
+            for k, step in enumerate(plan):
+                ordered = sorted((i for mb in step for i in mb), key=lambda i: -lengths[i])
+                plan[k] = [ordered[j : j + m] for j in range(0, len(ordered), m)]
+        return plan, [mode] * len(plan)
 
     def _all_reduce(self, value: int, op) -> int:
         tensor = torch.tensor([value], device=self._device())
@@ -179,7 +205,7 @@ class DRPOActorTrainer(ActorPPOTrainer):
 
     def _plan_dynamic(
         self, group_ids: list[int], lengths: list[int], partial: bool
-    ) -> tuple[list[list[list[int]]], list[bool]]:
+    ) -> tuple[list[list[list[int]]], list[str]]:
         """Dynamic batching: steps of whole groups over all ranks, the same number of
         micro-batches on every rank (ZeRO's collectives need equal forward counts), and
         whether each step runs in one pass.
@@ -204,7 +230,7 @@ class DRPOActorTrainer(ActorPPOTrainer):
                 if g in shares:
                     shares[g][rank] += length
         max_tokens = self.args.train.max_tokens_per_gpu
-        plan, one_pass = [], []
+        plan, modes = [], []
         for k in range(len(set(step_of.values()))):
             mine = [i for i, g in enumerate(group_ids) if step_of.get(g) == k]
             microsteps = None
@@ -217,7 +243,7 @@ class DRPOActorTrainer(ActorPPOTrainer):
                     [i for i in mine if where[group_ids[i]] == j] for j in range(len(microsteps))
                 ]
                 plan.append(parts)
-                one_pass.append(True)
+                modes.append(ONE_PASS)
                 continue
             needed = get_minimum_num_micro_batch_size([lengths[i] for i in mine], max_tokens, 1, 1)
             count = self._all_reduce(needed, dist.ReduceOp.MAX)
@@ -228,8 +254,8 @@ class DRPOActorTrainer(ActorPPOTrainer):
                 )
             parts = get_seqlen_balanced_partitions([lengths[i] for i in mine], count, False)
             plan.append([[mine[j] for j in part] for part in parts])
-            one_pass.append(False)
-        return plan, one_pass
+            modes.append(SCORES_PASS)
+        return plan, modes
 
     def _device(self) -> torch.device:
         return next(self.actor.model.parameters()).device
@@ -255,6 +281,11 @@ class DRPOActorTrainer(ActorPPOTrainer):
             microstep,
         )
 
+    def _check_whole(self, gathered: ResponseScalars, where: str) -> None:
+        counts = gathered.group_id.unique(return_counts=True)[1]
+        if (counts != self.drpo_layout.n_samples_per_prompt).any():
+            raise LayoutError(f"{where} does not hold whole prompt groups")
+
     def _two_pass_backward(
         self, batches: list, policy_is_old: bool
     ) -> tuple[ResponseScalars, Tensor, dict[str, Tensor]]:
@@ -264,12 +295,12 @@ class DRPOActorTrainer(ActorPPOTrainer):
                 [self._scalars(b, j, use_old=policy_is_old) for j, b in enumerate(batches)]
             )
         gathered, offset = all_gather_scalars(local)
+        self._check_whole(gathered, "the optimizer step")
         score_coef, kl_coef, metrics = loss_coefficients(gathered, self.drpo, self.drpo_max_len)
         for j, batch in enumerate(batches):
-            self._mark_boundary(j, len(batches))
             r = self._scalars(batch, j, use_old=False)
             end = offset + r.score.numel()
-            self._accumulate(r, score_coef[offset:end], kl_coef[offset:end], j, len(batches))
+            self._accumulate(r, score_coef[offset:end], kl_coef[offset:end], j == len(batches) - 1)
             offset = end
         return gathered, score_coef, metrics
 
@@ -277,57 +308,100 @@ class DRPOActorTrainer(ActorPPOTrainer):
         self, batches: list
     ) -> tuple[ResponseScalars, Tensor, dict[str, Tensor]]:
         """Per micro-batch: forward, gather its micro-step's scalars, backward (whole groups)."""
-        n = self.drpo_layout.n_samples_per_prompt
-        num_groups = self.drpo_layout.train_batch_size // n
+        num_groups = self.drpo_layout.train_batch_size // self.drpo_layout.n_samples_per_prompt
         parts = []
         for j, batch in enumerate(batches):
-            self._mark_boundary(j, len(batches))
             r = self._scalars(batch, j, use_old=False)
             gathered, offset = all_gather_scalars(r)
-            if (gathered.group_id.unique(return_counts=True)[1] != n).any():
-                raise LayoutError(f"micro-step {j} does not hold whole prompt groups")
+            self._check_whole(gathered, f"micro-step {j}")
             score_coef, kl_coef = microstep_coefficients(
                 gathered, self.drpo, self.drpo_max_len, num_groups, len(batches)
             )
             end = offset + r.score.numel()
-            self._accumulate(r, score_coef[offset:end], kl_coef[offset:end], j, len(batches))
+            self._accumulate(r, score_coef[offset:end], kl_coef[offset:end], j == len(batches) - 1)
             parts.append(gathered)
         gathered = ResponseScalars.concat(parts)
         score_coef, _, metrics = loss_coefficients(gathered, self.drpo, self.drpo_max_len)
         return gathered, score_coef, metrics
 
-    def _mark_boundary(self, j: int, count: int) -> None:
-        """Under dynamic batching OpenRLHF runs DeepSpeed with one accumulation step, so every
-        backward would be a boundary, and ZeRO-1/2 would keep only the last micro-batch's
-        gradient: tell DeepSpeed which micro-batch ends the optimizer step."""
-        if self.drpo_layout.dynamic_batching:
-            self.actor.model.set_gradient_accumulation_boundary(j == count - 1)
+    def _penalty_pass_backward(
+        self, batches: list
+    ) -> tuple[ResponseScalars, Tensor, dict[str, Tensor], bool]:
+        """Mini-batch KL with whole groups per micro-step: the score terms in one pass; the
+        penalty in a second pass only if the mini-batch KL exceeds ``delta``. Returns also
+        whether the second pass ran."""
+        num_groups = self.drpo_layout.train_batch_size // self.drpo_layout.n_samples_per_prompt
+        parts, where, penalty = [], [], False
+        count = len(batches)
+        for j, batch in enumerate(batches):
+            r = self._scalars(batch, j, use_old=False)
+            gathered, offset = all_gather_scalars(r)
+            self._check_whole(gathered, f"micro-step {j}")
+            base = sum(p.score.numel() for p in parts)
+            where.append((base + offset, base + offset + r.score.numel()))
+            parts.append(gathered)
+            if j == count - 1:  # all scalars known: does the penalty act on this step?
+                everyone = ResponseScalars.concat(parts)
+                score_all, kl_coef, metrics = loss_coefficients(
+                    everyone, self.drpo, self.drpo_max_len
+                )
+                penalty = bool((kl_coef != 0).any())
+            score_coef = group_score_coefficients(
+                gathered, self.drpo, self.drpo_max_len, num_groups
+            )
+            start, end = offset, offset + r.score.numel()
+            self._accumulate(
+                r,
+                score_coef[start:end],
+                torch.zeros_like(score_coef[start:end]),
+                j == count - 1 and not penalty,
+            )
+        if penalty:
+            for j, batch in enumerate(batches):
+                r = self._scalars(batch, j, use_old=False)
+                start, end = where[j]
+                kl = kl_coef[start:end]
+                self._accumulate(r, torch.zeros_like(kl), kl, j == count - 1)
+        return everyone, score_all, metrics, penalty
 
     def _accumulate(
-        self, r: ResponseScalars, score_coef: Tensor, kl_coef: Tensor, j: int, count: int
+        self, r: ResponseScalars, score_coef: Tensor, kl_coef: Tensor, last: bool
     ) -> None:
-        """Back-propagates micro-batch ``j`` of ``count``; steps the optimizer after the last."""
+        """Back-propagates one micro-batch; steps the optimizer after the step's ``last``.
+
+        The boundary is always marked by hand (a penalty pass makes more backwards than
+        DeepSpeed's accumulation steps; under dynamic batching OpenRLHF runs DeepSpeed with
+        one accumulation step, and ZeRO-1/2 would keep only the last micro-batch's gradient
+        otherwise), and the optimizer is stepped once."""
         device = r.score.device
+        engine = self.actor.model
+        engine.set_gradient_accumulation_boundary(last)
         loss = surrogate_loss(r.score, r.kl_sum, score_coef.to(device), kl_coef.to(device))
-        dynamic = self.drpo_layout.dynamic_batching
-        # undo DeepSpeed's 1/GAS (GAS is 1 under dynamic batching) and data-parallel mean
-        scale = (1 if dynamic else count) * dist.get_world_size()
+        # undo DeepSpeed's 1/GAS and data-parallel mean
+        scale = engine.gradient_accumulation_steps() * dist.get_world_size()
         self.strategy.backward(loss * scale, self.actor, self.actor_optim)
-        if not dynamic or j == count - 1:  # dynamic: only at the boundary _mark_boundary set
+        if last:
             self.strategy.optimizer_step(self.actor_optim, self.actor, self.actor_scheduler)
-            if self.ema_model:  # as OpenRLHF's training_step: acts at the boundary
+            # OpenRLHF's training_step calls moving_average once per micro-batch and it acts
+            # on every accumulated_gradient-th call (every call under dynamic batching);
+            # call it that often per optimizer step, so that it acts once, here
+            calls = 1 if self.drpo_layout.dynamic_batching else self.strategy.accumulated_gradient
+            for _ in range(calls if self.ema_model else 0):
                 self.strategy.moving_average(self.actor, self.ema_model, self.ema_beta, "cuda")
 
     def _drpo_optimizer_step(
-        self, batches: list, *, policy_is_old: bool, one_pass: bool
+        self, batches: list, *, policy_is_old: bool, mode: str
     ) -> dict[str, float]:
         start = time.perf_counter()
         device = self._device()
         for batch in batches:
             batch.to_device(device)
         self.actor.train()
-        if one_pass:
+        penalty = False
+        if mode == ONE_PASS:
             gathered, score_coef, metrics = self._one_pass_backward(batches)
+        elif mode == PENALTY_PASS:
+            gathered, score_coef, metrics, penalty = self._penalty_pass_backward(batches)
         else:
             gathered, score_coef, metrics = self._two_pass_backward(batches, policy_is_old)
         elapsed = time.perf_counter() - start
@@ -343,7 +417,8 @@ class DRPOActorTrainer(ActorPPOTrainer):
                 "drpo/mean_signal_incorrect": signal["mean_signal_incorrect"],
                 "drpo/truncated": truncated.mean().item(),
                 "drpo/update_tokens_per_s": float(gathered.num_tokens.sum()) / elapsed,
-                "drpo/one_pass": float(one_pass),
+                "drpo/one_pass": float(mode == ONE_PASS or (mode == PENALTY_PASS and not penalty)),
+                "drpo/penalty_pass": float(penalty),
                 "actor_lr": self.actor_scheduler.get_last_lr()[0],
                 "actor_grad_norm": float(self.strategy.get_grad_norm(self.actor)),
             }

@@ -28,7 +28,6 @@ class Layout:
     rollout_batch_size: int  # prompts per rollout step
     train_batch_size: int  # responses per optimizer step, all ranks together
     micro_batch_size: int  # responses per micro-batch on one rank
-    rollout_micro_batch_size: int = 1  # responses per experience batch OpenRLHF hands out
     dynamic_batching: bool = False  # micro-batches by token budget; groups may span ranks
 
     @property
@@ -40,6 +39,14 @@ class Layout:
     def micro_steps(self) -> int:
         """Micro-batches (gradient-accumulation steps) per optimizer step on one rank."""
         return self.samples_per_step // self.micro_batch_size
+
+    @property
+    def groups_fit_micro_steps(self) -> bool:
+        """Whether a global micro-step (micro-batch ``j`` of every rank, ``micro_batch_size x
+        world_size`` responses) can hold whole prompt groups under ``deal_rollout``; not under
+        dynamic batching."""
+        m, world, n = self.micro_batch_size, self.world_size, self.n_samples_per_prompt
+        return not self.dynamic_batching and (m * world) % n == 0
 
     @property
     def groups_fit_micro_batches(self) -> bool:
@@ -58,28 +65,21 @@ class Layout:
         if self.dynamic_batching:
             self._check_dynamic(rollout)
             return
-        if self.rollout_batch_size % world:
-            raise LayoutError(
-                f"--rollout.batch_size ({self.rollout_batch_size} prompts) must be a multiple of "
-                f"the {world} actor ranks, so that each rank receives whole prompt groups"
-            )
-        if rollout % (self.rollout_micro_batch_size * world):
-            raise LayoutError(
-                f"--rollout.micro_batch_size ({self.rollout_micro_batch_size}) x {world} actor "
-                f"ranks must divide the rollout's {rollout} responses: OpenRLHF hands each rank "
-                "a contiguous run of these experience batches, which must hold whole groups"
-            )
-        if self.train_batch_size % (n * world):
+        if self.train_batch_size % n:
             raise LayoutError(
                 f"--train.batch_size ({self.train_batch_size} responses) must be a multiple of "
-                f"n_samples_per_prompt x actor ranks = {n} x {world} = {n * world}, so that each "
-                "optimizer step holds whole prompt groups on every rank"
+                f"n_samples_per_prompt ({n}), so that each optimizer step holds whole prompt groups"
             )
         if rollout % self.train_batch_size:
             raise LayoutError(
                 f"--train.batch_size ({self.train_batch_size}) must divide the rollout's "
                 f"{rollout} responses (--rollout.batch_size x n_samples_per_prompt); otherwise "
                 "the last prompts of each rollout would be dropped"
+            )
+        if self.train_batch_size % world:
+            raise LayoutError(
+                f"--train.batch_size ({self.train_batch_size} responses) must be a multiple of "
+                f"the {world} actor ranks, so that every rank trains on as many per step"
             )
         if self.samples_per_step % self.micro_batch_size:
             raise LayoutError(
@@ -224,3 +224,68 @@ def pack_group_microsteps(
     if any(used == 0 for load in loads for used in load):
         return None
     return steps
+
+
+UNTRAINED = -1  # slot of a response no optimizer step trains on (short last rollout)
+
+
+def deal_rollout(
+    group_ids: Sequence[int], layout: Layout, *, allow_partial: bool = False
+) -> list[list[tuple[int, int]]]:
+    """The cross-rank layout: which rollout positions each rank receives, and in which slot.
+
+    Groups go to optimizer steps in id order, ``train_batch_size / n`` at a time. A step's
+    responses, group after group, are dealt round-robin: position ``p`` goes to rank
+    ``p % world_size`` as its ``p // world_size``-th response of the step, and rank rows
+    ``j*m .. j*m+m-1`` form its micro-batch ``j``. So global micro-step ``j`` (micro-batch
+    ``j`` of every rank) is the step's positions ``j*m*W .. (j+1)*m*W - 1``: whole groups
+    whenever ``n`` divides ``m*W`` (``Layout.groups_fit_micro_steps``). With ``W = n`` rank
+    ``r`` holds response ``r`` of every prompt, as in the released code.
+
+    Returns, per rank, ``(position, slot)`` pairs in slot order; ``slot = k * micro_steps + j``
+    for micro-batch ``j`` of step ``k``, or ``UNTRAINED`` for responses left out (incomplete
+    groups or groups beyond the last whole step, only with ``allow_partial``), dealt
+    round-robin after the rest. Raises ``LayoutError`` like ``assign_group_steps``.
+    """
+    n, world = layout.n_samples_per_prompt, layout.world_size
+    groups_per_step = layout.train_batch_size // n
+    step_of = assign_group_steps(group_ids, n, groups_per_step, allow_partial=allow_partial)
+    members: dict[int, list[int]] = {g: [] for g in sorted(step_of)}
+    for i, g in enumerate(group_ids):
+        if g in members:
+            members[g].append(i)
+    groups = list(members)
+    ranks: list[list[tuple[int, int]]] = [[] for _ in range(world)]
+    for k in range(len(groups) // groups_per_step):
+        step = [
+            i for g in groups[k * groups_per_step : (k + 1) * groups_per_step] for i in members[g]
+        ]
+        for p, i in enumerate(step):
+            slot = k * layout.micro_steps + (p // world) // layout.micro_batch_size
+            ranks[p % world].append((i, slot))
+    rest = [i for i, g in enumerate(group_ids) if g not in step_of]
+    for p, i in enumerate(rest):
+        ranks[p % world].append((i, UNTRAINED))
+    return ranks
+
+
+def plan_from_slots(slots: Sequence[int], layout: Layout) -> list[list[list[int]]]:
+    """One rank's plan from the slots ``deal_rollout`` gave its responses: ``steps[k][j]``
+    lists the items of micro-batch ``j`` of optimizer step ``k``. Raises ``LayoutError``
+    unless every slot of every step holds exactly ``micro_batch_size`` items."""
+    per_slot = layout.micro_batch_size
+    trained = [s for s in slots if s != UNTRAINED]
+    num_slots = max(trained, default=-1) + 1
+    counts = Counter(trained)
+    if num_slots % layout.micro_steps or any(counts[s] != per_slot for s in range(num_slots)):
+        raise LayoutError(
+            f"this rank's responses do not fill micro-batches of {per_slot} in "
+            f"{layout.micro_steps} micro-steps per optimizer step: the rollout was not dealt "
+            f"for this layout (slot counts {dict(sorted(counts.items()))})"
+        )
+    where: dict[int, list[int]] = {s: [] for s in range(num_slots)}
+    for i, s in enumerate(slots):
+        if s != UNTRAINED:
+            where[s].append(i)
+    m = layout.micro_steps
+    return [[where[k * m + j] for j in range(m)] for k in range(num_slots // m)]

@@ -88,7 +88,6 @@ class TrainConfig:
             rollout_batch_size=self.rollout_batch_size,
             train_batch_size=self.train_batch_size,
             micro_batch_size=self.micro_batch_size,
-            rollout_micro_batch_size=1,
         )
         layout.check()
         return layout
