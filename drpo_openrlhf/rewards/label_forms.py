@@ -38,7 +38,8 @@ _POW10 = re.compile(r"10\s*\^\s*(?:\{\s*([+-]?\d+)\s*\}|([+-]?\d))")
 _TEXT_GROUP = r"\\(?:text|mbox|mathrm|textrm|rm)\s*\{[^{}]*\}"
 _EXPONENT = r"(?:\s*\^\s*(?:\{[^{}]*\}|-?\d))?"
 _UNIT_TAIL = re.compile(rf"(?:\s*{_TEXT_GROUP}{_EXPONENT})+\s*$")
-_PLAIN_UNIT_TAIL = re.compile(rf"(?:\s+[A-Za-z]{{1,5}}{_EXPONENT}(?:\s*/\s*[A-Za-z]{{1,5}})?)+\s*$")
+_UNIT_WORD = r"(?:[A-Za-z]{2,5}|[mgsKJNWVAL])"  # one-letter words are variables, but SI units
+_PLAIN_UNIT_TAIL = re.compile(rf"(?:\s+{_UNIT_WORD}{_EXPONENT}(?:\s*/\s*{_UNIT_WORD})?)+\s*$")
 _NAME = r"(?:[A-Za-z]|\\[A-Za-z]+)(?:_\s*(?:\{[A-Za-z0-9,\\ ]+\}|[A-Za-z0-9]))?'*"
 _NAME_EQ = re.compile(rf"\s*{_NAME}(?:\s*\(\s*[A-Za-z]\s*\))?\s*=\s*([^=<>]+)")
 _TEXT_WORD = re.compile(r"\\(?:text|mbox|textbf|textit|mathrm|textrm)\s*\{[^{}]*[A-Za-z]{2}")
