@@ -4,8 +4,10 @@ Each acceptable answer of each label is boxed and graded by the math reward as t
 answer, together with a few rewrites a correct model may produce (trailing period, other
 spacing, scientific notation both ways, the value of a ``name = value`` label), and with
 answers it must reject (the number off by 50%; ``0`` and ``2`` for labels with letters).
-A label the reward cannot handle shows up here before any GPU time is spent. Exit status:
-0 every label graded as expected, 1 some did not, 2 a file cannot be read.
+A label the reward cannot handle shows up here before any GPU time is spent. Labels graded
+by normalised text only (words, or nothing math-verify can parse) are listed as notes: an
+equivalent answer in another form scores 0 for them. Exit status: 0 every label graded as
+expected, 1 some did not, 2 a file cannot be read.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 from drpo_openrlhf.rewards.grading import grade_responses
-from drpo_openrlhf.rewards.label_forms import canonical, decode_alternatives
+from drpo_openrlhf.rewards.label_forms import canonical, decode_alternatives, gold_forms
 
 _NAME_EQ = re.compile(r"\s*[A-Za-z](?:_\{?\w+\}?)?\s*=\s*([^=]+)")
 
@@ -73,15 +75,30 @@ def probes(answer: str) -> tuple[list[str], list[str]]:
     return list(dict.fromkeys(accept)), reject
 
 
-def audit_file(path: Path) -> tuple[int, list[Finding]]:
-    """``(labels audited, findings)`` for one prepared JSONL file."""
+def text_only(label: str) -> bool:
+    """Whether no acceptable answer of ``label`` is graded by math-verify: words, or nothing
+    it can parse (main thread only: ``parse`` uses SIGALRM)."""
+    from math_verify import parse
+
+    math_forms, _ = gold_forms(label)
+    return not any(
+        any(not isinstance(item, str) for item in parse("\\boxed{" + form + "}"))
+        for form in math_forms
+    )
+
+
+def audit_file(path: Path) -> tuple[int, list[Finding], list[str]]:
+    """``(labels audited, findings, notes)`` for one prepared JSONL file."""
     cases: list[tuple[str, str, str, bool]] = []
+    notes: list[str] = []
     n_labels = 0
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
             continue
         label = json.loads(line)["label"]
         n_labels += 1
+        if text_only(label):
+            notes.append(f"{path} line {number}: label {label!r} is graded as text only")
         for answer in decode_alternatives(label):
             accept, reject = probes(answer)
             where = f"{path} line {number}"
@@ -96,7 +113,7 @@ def audit_file(path: Path) -> tuple[int, list[Finding]]:
         for (where, label, answer, expected), result in zip(cases, results, strict=True)
         if result.correct != expected
     ]
-    return n_labels, findings
+    return n_labels, findings, notes
 
 
 def main(argv: Sequence[str]) -> int:
@@ -110,17 +127,20 @@ def main(argv: Sequence[str]) -> int:
     failed = False
     for path in args.files:
         try:
-            n_labels, findings = audit_file(path)
+            n_labels, findings, notes = audit_file(path)
         except (OSError, ValueError, KeyError, TypeError) as err:
             print(f"error: {path}: cannot audit: {type(err).__name__}: {err}", file=sys.stderr)
             return 2
-        for finding in findings[: args.show]:
-            print(finding)
-        if len(findings) > args.show:
-            print(f"... and {len(findings) - args.show} more in {path}")
+        for line in [*map(str, findings), *notes][: args.show]:
+            print(line)
+        if len(findings) + len(notes) > args.show:
+            print(f"... and {len(findings) + len(notes) - args.show} more in {path}")
         labels = len({(f.location, f.label) for f in findings})
         kinds = Counter("rejects" if f.expected else "accepts" for f in findings)
         detail = ", ".join(f"{kind} {n}" for kind, n in sorted(kinds.items())) or "none"
-        print(f"{path}: {n_labels} labels, {labels} with findings (answers: {detail})")
+        print(
+            f"{path}: {n_labels} labels, {labels} with findings (answers: {detail}), "
+            f"{len(notes)} graded as text only"
+        )
         failed = failed or bool(findings)
     return 1 if failed else 0
