@@ -27,6 +27,8 @@ from __future__ import annotations
 import functools
 import math
 import os
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -64,6 +66,39 @@ class GradeResult:
 
 
 OK = GradeResult(True, "ok")
+
+_VERDICT_CACHE_SIZE = 16384
+_FINAL_REASONS = frozenset({"ok", "wrong", "unparsable", "bad_label", "text_mismatch"})
+"""Verdicts that do not depend on time or luck; only these are cached."""
+
+
+class _Verdicts:
+    """math-verify's verdicts per ``(golds, pred)``, most recent first out last: the
+    responses of a group often repeat one answer string, which is then graded once."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._items: OrderedDict[tuple[tuple[str, ...], str], GradeResult] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[tuple[str, ...], str]) -> GradeResult | None:
+        with self._lock:
+            result = self._items.get(key)
+            if result is not None:
+                self._items.move_to_end(key)
+            return result
+
+    def put(self, key: tuple[tuple[str, ...], str], result: GradeResult) -> None:
+        if result.reason not in _FINAL_REASONS:
+            return
+        with self._lock:
+            self._items[key] = result
+            self._items.move_to_end(key)
+            if len(self._items) > self.size:
+                self._items.popitem(last=False)
+
+
+_verdicts = _Verdicts(_VERDICT_CACHE_SIZE)
 
 
 def env_timeout_s() -> float:
@@ -158,23 +193,28 @@ def grade_responses(
         raise ValueError(f"timeout_s must be a positive number, got {timeout_s}")
 
     results: list[GradeResult | None] = [None] * len(responses)
-    pending: list[tuple[int, tuple[str, ...], str]] = []
+    pending: dict[tuple[tuple[str, ...], str], list[int]] = {}
     for i, (response, label) in enumerate(zip(responses, labels, strict=True)):
         try:
             prepared = prepare(response, label, require_think_end)
         except Exception:
             prepared = GradeResult(False, "error")
+        if not isinstance(prepared, GradeResult):
+            prepared = _verdicts.get(prepared) or pending.setdefault(prepared, [])
         if isinstance(prepared, GradeResult):
             results[i] = prepared
         else:
-            pending.append((i, *prepared))
+            prepared.append(i)
 
     if pending:
+        pairs = list(pending)
         try:
-            pool = get_pool()
-            outcomes = pool.grade_many([(gold, pred) for _, gold, pred in pending], timeout_s)
+            outcomes = get_pool().grade_many(pairs, timeout_s)
         except Exception:
-            outcomes = [(False, "error")] * len(pending)
-        for (i, _, _), (correct, reason) in zip(pending, outcomes, strict=True):
-            results[i] = OK if correct else GradeResult(False, reason)
+            outcomes = [(False, "error")] * len(pairs)
+        for pair, (correct, reason) in zip(pairs, outcomes, strict=True):
+            result = OK if correct else GradeResult(False, reason)
+            _verdicts.put(pair, result)
+            for i in pending[pair]:
+                results[i] = result
     return results  # type: ignore[return-value]
