@@ -412,16 +412,16 @@ def main() -> None:
 
     # per-call overhead of one pool round trip on a trivial pair
     lat = []
-    for _ in range(200):
+    for k in range(200):  # a new pair each time: verdicts are cached per (label, answer)
         t = time.perf_counter()
-        grade_responses(["</think>\\boxed{1.0}"], ["1"])
+        grade_responses([f"</think>\\boxed{{{k + 7}.0}}"], [str(k + 7)])
         lat.append(time.perf_counter() - t)
     report["single_call_ms"] = {
         "p50": 1e3 * percentile(lat, 0.5),
         "p99": 1e3 * percentile(lat, 0.99),
     }
     p50 = report["single_call_ms"]["p50"]
-    print(f"[overhead] one trivial call through the pool: p50 {p50:.2f} ms")
+    print(f"[overhead] one trivial (uncached) call through the pool: p50 {p50:.2f} ms")
 
     # K&K: pure-Python parsing in the calling thread, no pool
     from drpo_openrlhf.rewards.kk_reward import grade_kk_responses
