@@ -12,12 +12,15 @@ Measures, on this machine:
 2. The OpenRLHF plugin called as OpenRLHF calls it: one sample per ``reward_func`` call,
    ``--threads`` calls in flight through ``asyncio.to_thread``: responses per second and
    per-call latency.
-3. The "unbounded" style for comparison (math-verify called directly in worker threads,
+3. Plain math-verify in one process (its main thread, its own signal timeouts): extract the
+   box, ``parse`` label and answer, ``verify``; the baseline the pool is compared with
+   (ratio printed; the goal is >= 2x in OpenRLHF's call pattern).
+4. The "unbounded" style for comparison (math-verify called directly in worker threads,
    its signal-based timeouts disabled because they cannot work off the main thread;
    this is how a thread-pool reward manager like the authors' verl/DeepScaleR one ends
    up calling a grader): responses per second.
-4. K&K grading (pure Python, in the calling thread): responses per second.
-5. Adversarial answers: wall time of one bounded grading (fresh single-worker pool per
+5. K&K grading (pure Python, in the calling thread): responses per second.
+6. Adversarial answers: wall time of one bounded grading (fresh single-worker pool per
    input) and of the unbounded style (fresh process per input, killed after
    ``--unbounded-cap`` seconds).
 """
@@ -42,9 +45,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from drpo_openrlhf.rewards import grading, math_reward  # noqa: E402
-from drpo_openrlhf.rewards.answer_extraction import answer_part, last_boxed  # noqa: E402
+from drpo_openrlhf.rewards.answer_extraction import (  # noqa: E402
+    answer_part,
+    last_boxed,
+    normalize_label,
+)
 from drpo_openrlhf.rewards.grader_pool import GraderPool, get_pool  # noqa: E402
-from drpo_openrlhf.rewards.grading import grade_responses, normalize_label  # noqa: E402
+from drpo_openrlhf.rewards.grading import grade_responses  # noqa: E402
 
 SQUAREFREE = (2, 3, 5, 6, 7, 10, 11)
 
@@ -221,6 +228,27 @@ def bench_openrlhf_style(prompt, responses, labels, threads):
     return elapsed, latencies, outs
 
 
+def plain_grade(response: str, label: str) -> bool:
+    """Single-process math-verify as a user would call it: parse both, verify."""
+    from math_verify import parse, verify
+
+    answer = answer_part(response)
+    pred = last_boxed(answer) if answer is not None else None
+    if pred is None:
+        return False
+    gold = parse("\\boxed{" + (normalize_label(label) or "") + "}")
+    return bool(verify(gold, parse("\\boxed{" + pred + "}")))
+
+
+def bench_plain(responses, labels):
+    from math_verify import parse
+
+    parse("\\boxed{1}")  # import and warm up outside the timing
+    start = time.perf_counter()
+    outs = [plain_grade(r, lab) for r, lab in zip(responses, labels, strict=True)]
+    return time.perf_counter() - start, outs
+
+
 def bench_unbounded_threads(responses, labels, threads):
     from math_verify import parse
 
@@ -316,7 +344,7 @@ def main() -> None:
 
     grade_responses(["</think>\\boxed{1.0}"], ["1"])  # start the pool outside the timings
     # each phase gets its own problems (seed) so no phase grades answers cached by another
-    data = [make_responses(args.n, args.tokens, args.group, seed=k) for k in range(3)]
+    data = [make_responses(args.n, args.tokens, args.group, seed=k) for k in range(4)]
     avg_chars = statistics.mean(len(r) for r in data[0][0])
     report["responses"] = {"n": args.n, "avg_chars": round(avg_chars), "group": args.group}
     print(f"{args.n} responses, ~{args.tokens} reasoning tokens ({avg_chars:.0f} chars) each")
@@ -360,6 +388,19 @@ def main() -> None:
         + ", ".join(f"{k} {v:.1f}" for k, v in report["openrlhf_style"]["latency_ms"].items())
     )
 
+    responses, labels, kinds = data[3]
+    elapsed, plain = bench_plain(responses, labels)
+    plugin_rate = report["openrlhf_style"]["responses_per_s"]
+    report["plain_single_process"] = {
+        "responses_per_s": args.n / elapsed,
+        "as_expected": as_expected(kinds, plain),
+        "plugin_over_plain": plugin_rate / (args.n / elapsed),
+    }
+    print(
+        f"[plain] single-process math-verify: {args.n / elapsed:,.0f} responses/s; "
+        f"plugin / plain = {report['plain_single_process']['plugin_over_plain']:.2f}x"
+    )
+
     responses, labels, kinds = data[2]
     elapsed, unb = bench_unbounded_threads(responses, labels, args.threads)
     report["unbounded_threads"] = {
@@ -371,16 +412,16 @@ def main() -> None:
 
     # per-call overhead of one pool round trip on a trivial pair
     lat = []
-    for _ in range(200):
+    for k in range(200):  # a new pair each time: verdicts are cached per (label, answer)
         t = time.perf_counter()
-        grade_responses(["</think>\\boxed{1.0}"], ["1"])
+        grade_responses([f"</think>\\boxed{{{k + 7}.0}}"], [str(k + 7)])
         lat.append(time.perf_counter() - t)
     report["single_call_ms"] = {
         "p50": 1e3 * percentile(lat, 0.5),
         "p99": 1e3 * percentile(lat, 0.99),
     }
     p50 = report["single_call_ms"]["p50"]
-    print(f"[overhead] one trivial call through the pool: p50 {p50:.2f} ms")
+    print(f"[overhead] one trivial (uncached) call through the pool: p50 {p50:.2f} ms")
 
     # K&K: pure-Python parsing in the calling thread, no pool
     from drpo_openrlhf.rewards.kk_reward import grade_kk_responses

@@ -182,7 +182,8 @@ def test_issues_are_printed_with_file_and_line_and_reported_as_json(tmp_path, ca
     err = captured.err.splitlines()
     assert err[:3] == [
         f"{bad} line 2: missing: problem is missing (looked for 'problem', 'question', "
-        "'Problem', 'Question') [dropped]",
+        "'Problem', 'Question', or a chat-message list 'prompt' with "
+        "'reward_model.ground_truth' (verl); found 'answer') [dropped]",
         f"{bad} line 3: empty: problem field 'problem' is empty [dropped]",
         f"{bad} line 4: wrong_type: problem field 'problem' is int, expected a string [dropped]",
     ]
@@ -198,6 +199,7 @@ def test_issues_are_printed_with_file_and_line_and_reported_as_json(tmp_path, ca
         "dropped": {"missing": 2, "empty": 2, "wrong_type": 4, "invalid_json": 1},
         "warnings": {"duplicate": 2, "unparsable_answer": 1},
         "excluded": {},
+        "list_labels": 0,
         "output": str(tmp_path / "deepscaler.jsonl"),
     }
     assert len(data["issues"]) == 12

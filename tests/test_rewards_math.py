@@ -99,7 +99,8 @@ def test_tricky_pairs():
     wrong = [
         (gold, pred, res)
         for (gold, pred, expected), res in zip(TRICKY_PAIRS, results, strict=True)
-        if res.correct != expected or res.reason != ("ok" if expected else "wrong")
+        if res.correct != expected
+        or res.reason not in (("ok",) if expected else ("wrong", "text_mismatch"))
     ]
     assert not wrong
 

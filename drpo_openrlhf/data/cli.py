@@ -4,6 +4,7 @@ Each selected source is read from local files (``--input NAME=PATH``) or the Hug
 Hub, converted to ``{"prompt", "label", "datasource"}`` rows, validated, and written to
 ``OUT_DIR/NAME.jsonl``. Exit status: 0 done, 1 strict mode found issues or a source kept no
 row (nothing written for it), 2 usage error or a source could not be read.
+``drpo-data audit FILE...`` grades the labels of written files (see ``audit``).
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="drpo-data",
         description="Prepare DRPO training/evaluation JSONL files (prompt, label, datasource).",
-        epilog="Groups: all, " + ", ".join(f"{g} ({' '.join(n)})" for g, n in GROUPS.items()),
+        epilog="Check written files with: drpo-data audit FILE... . Groups: all, "
+        + ", ".join(f"{g} ({' '.join(n)})" for g, n in GROUPS.items()),
     )
     parser.add_argument("sources", nargs="*", help="source names or groups (see --list)")
     parser.add_argument(
@@ -122,6 +124,11 @@ def _list(sources: dict[str, Source]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["audit"]:
+        from drpo_openrlhf.data.audit import main as audit_main
+
+        return audit_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     sources = build_sources(args.kk_train_people, args.kk_test_people)

@@ -43,6 +43,11 @@ def summary(prepared: list[Prepared], outputs: dict[str, str]) -> str:
             notes.append(f"{result.source}: kept with warnings: {_reasons(warned)}")
         if excluded:
             notes.append(f"{result.source}: excluded: {_reasons(result.excluded)}")
+        if result.list_labels:
+            notes.append(
+                f"{result.source}: {result.list_labels} kept rows have a list of acceptable "
+                "answers (label: JSON array of strings)"
+            )
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     lines = [
         "  ".join(
@@ -77,6 +82,7 @@ def write_report(path: Path, prepared: list[Prepared], outputs: dict[str, str]) 
                 "dropped": dict(_counts(result, True)),
                 "warnings": dict(_counts(result, False)),
                 "excluded": dict(result.excluded),
+                "list_labels": result.list_labels,
                 "output": outputs.get(result.source),
             }
             for result in prepared

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from drpo_openrlhf.data.convert import (
     Converter,
+    answer_alternatives,
     answer_list_text,
     answer_text,
     gsm8k_final_answer,
@@ -80,7 +81,12 @@ def build_sources(kk_train_people: range, kk_test_people: range) -> dict[str, So
             "AMC 12 2022-2023 with integer answers (83)",
             HubRef("AI-MO/aimo-validation-amc", None, ("train",)),
         ),
-        _math("minerva", "Minerva math (272)", HubRef("math-ai/minervamath", None, ("test",))),
+        _math(
+            "minerva",
+            "Minerva math (272); a list answer holds acceptable alternatives",
+            HubRef("math-ai/minervamath", None, ("test",)),
+            answer=answer_alternatives,
+        ),
         Source(
             "kk-train",
             f"K&K logic puzzles, train, {kk_train_people[0]}-{kk_train_people[-1]} people",

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from drpo_openrlhf.data.convert import Converted, Excluded, RowError
-from drpo_openrlhf.data.readers import RawRow
+from drpo_openrlhf.data.readers import RawRow, SourceError
 from drpo_openrlhf.data.sources import Source
+from drpo_openrlhf.rewards.label_forms import gold_forms
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class Prepared:
     issues: list[Issue] = field(default_factory=list)
     excluded: Counter[str] = field(default_factory=Counter)
     read: int = 0
+    list_labels: int = 0
 
     def add_issue(self, location: str, kind: str, message: str, dropped: bool) -> None:
         self.issues.append(Issue(self.source, location, kind, message, dropped))
@@ -56,7 +58,9 @@ def problem_key(problem: str) -> str:
 
 
 def answer_parses(label: str, cache: dict[str, bool]) -> bool:
-    """Whether math-verify extracts a mathematical object from ``\\boxed{label}``.
+    """Whether the reward can grade ``label``: some acceptable answer of it is graded as
+    text (see ``label_forms.is_text_label``) or math-verify extracts a mathematical object
+    from its normalised ``\\boxed{...}`` form.
 
     A result holding only strings is math-verify's fallback for text it could not interpret,
     so it counts as a failure. ``parse`` bounds its time with SIGALRM, which only works in the
@@ -65,8 +69,11 @@ def answer_parses(label: str, cache: dict[str, bool]) -> bool:
     if label not in cache:
         from math_verify import parse
 
-        parsed = parse(f"\\boxed{{{label}}}")
-        cache[label] = any(not isinstance(item, str) for item in parsed)
+        math_forms, text_forms = gold_forms(label)
+        cache[label] = bool(text_forms) or any(
+            any(not isinstance(item, str) for item in parse(f"\\boxed{{{form}}}"))
+            for form in math_forms
+        )
     return cache[label]
 
 
@@ -120,7 +127,21 @@ def prepare(
         first_seen.setdefault(key, (raw.location, row.label))  # first *kept* copy
         result.rows.append(row)
         result.locations.append(raw.location)
+        result.list_labels += row.alternatives > 1
+    _check_layout(result)
     return result
+
+
+def _check_layout(result: Prepared) -> None:
+    """A file none of whose rows has a known layout is an error, not a pile of drops."""
+    if result.rows or result.excluded or not result.issues:
+        return
+    if all(issue.kind == "missing" for issue in result.issues):
+        first = result.issues[0]
+        raise SourceError(
+            f"{result.source}: no row has a layout drpo-data knows ({result.read} rows read); "
+            f"{first.location}: {first.message}"
+        )
 
 
 def flag_cross_source_duplicates(prepared: list[Prepared]) -> None:

@@ -5,7 +5,8 @@ it imports nothing but the standard library and math-verify. It talks to its par
 the inherited socket ``FD`` with :class:`multiprocessing.connection.Connection` messages:
 
 * child -> parent, once: ``("ready", pid)`` or ``("fatal", message)``;
-* parent -> child: ``("grade", job_id, gold, pred, soft_timeout_s)`` or ``("stop",)``;
+* parent -> child: ``("grade", job_id, golds, pred, soft_timeout_s)`` or ``("stop",)``,
+  ``golds`` being the label's acceptable answers (a tuple of strings, or one string);
 * child -> parent: ``("result", job_id, correct, reason, restart)``.
 
 The child runs in its own main thread, so a ``SIGALRM`` interval timer (soft deadline)
@@ -25,6 +26,8 @@ if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.a
     del sys.path[0]
 
 import logging
+import math
+import re
 import resource
 import signal
 import warnings
@@ -32,6 +35,11 @@ from collections import OrderedDict
 from multiprocessing.connection import Connection
 
 _GOLD_CACHE_SIZE = 4096
+_DIGITS = 6
+"""Float rounding (decimals) math-verify uses for labels of magnitude about 1; smaller
+labels get more decimals so that the comparison stays relative (8.2e-19 != 8.2e-21)."""
+_COMMAND = re.compile(r"\\[A-Za-z]+")
+_LETTER = re.compile(r"[A-Za-z]")
 _MISSING = object()
 # Graded once at start-up: sympy imports much of itself lazily, and the first answer of
 # each kind (interval, matrix, equation...) would otherwise pay for it inside its deadline.
@@ -88,26 +96,67 @@ class _Grader:
     def _parse_boxed(self, latex: str) -> list:
         return self._parse("\\boxed{" + latex + "}", parsing_timeout=None)
 
-    def _gold(self, gold: str) -> list:
-        parsed = self._gold_cache.get(gold, _MISSING)
-        if parsed is _MISSING:
+    def _gold(self, gold: str) -> tuple[list, int, bool]:
+        """The parsed label (parsed once, then cached), its float rounding, and whether the
+        parse is faithful (a label with letters must not become a bare number)."""
+        entry = self._gold_cache.get(gold, _MISSING)
+        if entry is _MISSING:
             parsed = self._parse_boxed(gold)
-            self._gold_cache[gold] = parsed
+            entry = (parsed, _float_rounding(parsed), _faithful(gold, parsed))
+            self._gold_cache[gold] = entry
             if len(self._gold_cache) > _GOLD_CACHE_SIZE:
                 self._gold_cache.popitem(last=False)
         else:
             self._gold_cache.move_to_end(gold)
-        return parsed
+        return entry
 
-    def grade(self, gold: str, pred: str) -> tuple[bool, str]:
-        gold_parsed = self._gold(gold)
-        if not gold_parsed:
-            return False, "bad_label"
-        pred_parsed = self._parse_boxed(pred)
-        if not pred_parsed:
-            return False, "unparsable"
-        correct = bool(self._verify(gold_parsed, pred_parsed, timeout_seconds=None))
-        return correct, "ok" if correct else "wrong"
+    def grade(self, golds: tuple[str, ...] | str, pred: str) -> tuple[bool, str]:
+        """Correct if ``pred`` matches any of ``golds``; otherwise the most telling reason."""
+        if isinstance(golds, str):
+            golds = (golds,)
+        reason = "bad_label"
+        pred_parsed = None
+        for gold in golds:
+            gold_parsed, rounding, faithful = self._gold(gold)
+            if not gold_parsed:
+                continue
+            if not faithful:
+                reason = "text_mismatch" if reason == "bad_label" else reason
+                continue
+            if pred_parsed is None:
+                pred_parsed = self._parse_boxed(pred)
+                if not pred_parsed:
+                    return False, "unparsable"
+            if self._verify(
+                gold_parsed, pred_parsed, float_rounding=rounding, timeout_seconds=None
+            ):
+                return True, "ok"
+            reason = "wrong"
+        return False, reason
+
+
+def _float_rounding(parsed: list) -> int:
+    """Decimals for math-verify's float comparison: about six significant digits."""
+    try:
+        from sympy import Number
+
+        value = parsed[0] if parsed else None
+        if isinstance(value, Number) and value != 0:
+            magnitude = math.floor(math.log10(abs(float(value))))
+            return max(_DIGITS, _DIGITS - 1 - magnitude)
+    except (TypeError, ValueError, OverflowError):
+        pass
+    return _DIGITS
+
+
+def _faithful(gold: str, parsed: list) -> bool:
+    """False when math-verify reduced a label with letters (words, named quantities) to a
+    bare number: grading against that number would accept unrelated answers."""
+    from sympy import Number
+
+    if not parsed or not isinstance(parsed[0], Number):
+        return True
+    return not _LETTER.search(_COMMAND.sub(" ", gold))
 
 
 def _serve(conn: Connection, grader: _Grader) -> int:

@@ -12,29 +12,29 @@ Per response, the first of these that applies is its reason:
    ``unparsable`` if the last box is empty.
 4. ``too_long``: the boxed answer is longer than ``MAX_ANSWER_CHARS`` (a label that long is
    ``bad_label``).
-5. The last boxed content is compared with the label (itself unboxed if boxed) by
-   math-verify (``parse`` both as ``\\boxed{...}``, then ``verify(gold, pred)``) in a
-   grader process: ``ok`` / ``wrong`` / ``bad_label`` (math-verify extracts nothing from
-   the label) / ``unparsable`` (nothing from the answer) / ``timeout`` (deadline hit) /
-   ``error`` (anything else).
-
-Identical strings are accepted without a round trip to the pool.
+5. The label's acceptable answers (a list label has several, see ``label_forms``) and the
+   boxed answer are normalised (``label_forms.canonical``). Equal normalised text is ``ok``
+   at once. A label holding words (``label_forms.is_text_label``) is graded as text only:
+   ``text_mismatch`` when its text differs. The rest is compared by math-verify in a grader
+   process, with float rounding scaled to the label's magnitude: ``ok`` / ``wrong`` /
+   ``bad_label`` (math-verify extracts nothing from the label) / ``text_mismatch`` (the label
+   holds letters yet math-verify reads it as a bare number) / ``unparsable`` (nothing from
+   the answer) / ``timeout`` (deadline hit) / ``error`` (anything else).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from drpo_openrlhf.rewards.answer_extraction import (
-    answer_part,
-    last_boxed,
-    normalize_label,
-    to_text,
-)
+from drpo_openrlhf.rewards.answer_extraction import answer_part, last_boxed, to_text
 from drpo_openrlhf.rewards.grader_pool import get_pool
+from drpo_openrlhf.rewards.label_forms import canonical, gold_forms, match_key, text_key
 
 DEFAULT_TIMEOUT_S = 5.0
 """Default per-response deadline (seconds of grader time)."""
@@ -50,6 +50,7 @@ REASONS = (
     "unparsable",
     "too_long",
     "bad_label",
+    "text_mismatch",
     "timeout",
     "error",
 )
@@ -66,6 +67,39 @@ class GradeResult:
 
 OK = GradeResult(True, "ok")
 
+_VERDICT_CACHE_SIZE = 16384
+_FINAL_REASONS = frozenset({"ok", "wrong", "unparsable", "bad_label", "text_mismatch"})
+"""Verdicts that do not depend on time or luck; only these are cached."""
+
+
+class _Verdicts:
+    """math-verify's verdicts per ``(golds, pred)``, most recent first out last: the
+    responses of a group often repeat one answer string, which is then graded once."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._items: OrderedDict[tuple[tuple[str, ...], str], GradeResult] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[tuple[str, ...], str]) -> GradeResult | None:
+        with self._lock:
+            result = self._items.get(key)
+            if result is not None:
+                self._items.move_to_end(key)
+            return result
+
+    def put(self, key: tuple[tuple[str, ...], str], result: GradeResult) -> None:
+        if result.reason not in _FINAL_REASONS:
+            return
+        with self._lock:
+            self._items[key] = result
+            self._items.move_to_end(key)
+            if len(self._items) > self.size:
+                self._items.popitem(last=False)
+
+
+_verdicts = _Verdicts(_VERDICT_CACHE_SIZE)
+
 
 def env_timeout_s() -> float:
     """``$DRPO_REWARD_TIMEOUT_S`` if set to a positive number, else ``DEFAULT_TIMEOUT_S``."""
@@ -76,15 +110,44 @@ def env_timeout_s() -> float:
     return value if math.isfinite(value) and value > 0 else DEFAULT_TIMEOUT_S
 
 
+@dataclass(frozen=True)
+class _Gold:
+    """A label's canonical answers and the keys of the text comparisons (cached per label:
+    the responses of one group share it)."""
+
+    math: tuple[str, ...]
+    text: tuple[str, ...]
+    match_keys: frozenset[str]
+    text_keys: frozenset[str]
+
+
+def _make_gold(label: object) -> _Gold:
+    math_golds, text_golds = gold_forms(label)
+    return _Gold(
+        tuple(math_golds),
+        tuple(text_golds),
+        frozenset(match_key(g) for g in math_golds + text_golds),
+        frozenset(text_key(g) for g in text_golds),
+    )
+
+
+_cached_gold = functools.lru_cache(maxsize=4096)(_make_gold)
+
+
+def _gold(label: object) -> _Gold:
+    return _cached_gold(label) if isinstance(label, str) else _make_gold(label)
+
+
 def prepare(
     response: object, label: object, require_think_end: bool = True
-) -> GradeResult | tuple[str, str]:
+) -> GradeResult | tuple[tuple[str, ...], str]:
     """Cheap checks done in the caller's thread.
 
-    Returns a final ``GradeResult`` or the ``(gold, pred)`` pair math-verify must compare.
+    Returns a final ``GradeResult`` or the ``(golds, pred)`` pair math-verify must compare:
+    the label's canonical answers that math-verify grades, and the canonical boxed answer.
     """
-    gold = normalize_label(label)
-    if gold is None:
+    gold = _gold(label)
+    if not (gold.math or gold.text):
         return GradeResult(False, "bad_label")
     text = to_text(response) or ""
     answer = answer_part(text, require_think_end)
@@ -98,11 +161,13 @@ def prepare(
         return GradeResult(False, "unparsable")
     if len(pred) > MAX_ANSWER_CHARS:
         return GradeResult(False, "too_long")
-    if len(gold) > MAX_ANSWER_CHARS:
+    if any(len(g) > MAX_ANSWER_CHARS for g in gold.math + gold.text):
         return GradeResult(False, "bad_label")
-    if pred == gold:
+    if match_key(pred) in gold.match_keys or (gold.text and text_key(pred) in gold.text_keys):
         return OK
-    return gold, pred
+    if not gold.math:
+        return GradeResult(False, "text_mismatch")
+    return gold.math, canonical(pred)
 
 
 def grade_responses(
@@ -128,23 +193,28 @@ def grade_responses(
         raise ValueError(f"timeout_s must be a positive number, got {timeout_s}")
 
     results: list[GradeResult | None] = [None] * len(responses)
-    pending: list[tuple[int, str, str]] = []
+    pending: dict[tuple[tuple[str, ...], str], list[int]] = {}
     for i, (response, label) in enumerate(zip(responses, labels, strict=True)):
         try:
             prepared = prepare(response, label, require_think_end)
         except Exception:
             prepared = GradeResult(False, "error")
+        if not isinstance(prepared, GradeResult):
+            prepared = _verdicts.get(prepared) or pending.setdefault(prepared, [])
         if isinstance(prepared, GradeResult):
             results[i] = prepared
         else:
-            pending.append((i, *prepared))
+            prepared.append(i)
 
     if pending:
+        pairs = list(pending)
         try:
-            pool = get_pool()
-            outcomes = pool.grade_many([(gold, pred) for _, gold, pred in pending], timeout_s)
+            outcomes = get_pool().grade_many(pairs, timeout_s)
         except Exception:
-            outcomes = [(False, "error")] * len(pending)
-        for (i, _, _), (correct, reason) in zip(pending, outcomes, strict=True):
-            results[i] = OK if correct else GradeResult(False, reason)
+            outcomes = [(False, "error")] * len(pairs)
+        for pair, (correct, reason) in zip(pairs, outcomes, strict=True):
+            result = OK if correct else GradeResult(False, reason)
+            _verdicts.put(pair, result)
+            for i in pending[pair]:
+                results[i] = result
     return results  # type: ignore[return-value]

@@ -1,0 +1,157 @@
+"""Grading on real-world label forms: one table per failure class, both directions."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from drpo_openrlhf.rewards.label_forms import (
+    canonical,
+    decode_alternatives,
+    encode_alternatives,
+    gold_forms,
+)
+from drpo_openrlhf.rewards.math_reward import REASONS, grade_responses
+
+# (label, boxed answer, must be correct)
+CASES = {
+    "small magnitudes are compared relatively": [
+        ("8.2\\times10^{-19}", "8.2 \\times 10^{-19}", True),
+        ("1.45 \\times 10^{-5}", "0.0000145", True),
+        ("3.3e-10", "3.3 \\times 10^{-10}", True),
+        ("8.2\\times10^{-19}", "8.2 \\times 10^{-21}", False),
+        ("8.2\\times10^{-19}", "0.0000001", False),
+        ("3.89e-10", "3.9e-10", False),
+        ("0.0005", "0.0006", False),
+    ],
+    "scientific notation both ways": [
+        ("2.88e-19", "2.88 \\times 10^{-19}", True),
+        ("2.88 \\times 10^{-19}", "2.88e-19", True),
+        ("4.4e7", "44000000", True),
+        ("10^{-3}", "0.001", True),
+        ("7.5 \\times 10^7", "7.5\\cdot 10^{7}", True),
+        ("2.88e-19", "2.88e-18", False),
+        ("4.4e7", "4.4 \\times 10^{6}", False),
+    ],
+    "trailing period": [
+        ("\\begin{pmatrix}1\\\\2\\end{pmatrix}.", "\\begin{pmatrix}1\\\\2\\end{pmatrix}", True),
+        ("5.", "5", True),
+        ("(-\\infty, 0) \\cup\\{1\\}.", "(-\\infty,0)\\cup\\{1\\}", True),
+        ("\\begin{pmatrix}1\\\\2\\end{pmatrix}.", "-1", False),
+        ("\\begin{pmatrix}1\\\\2\\end{pmatrix}.", "\\begin{pmatrix}1\\\\3\\end{pmatrix}", False),
+    ],
+    "name = value labels": [
+        ("y=cx^{-2}-\\frac{\\cos(2x)}{2x^{2}}", "cx^{-2}-\\frac{\\cos(2x)}{2x^2}", True),
+        ("X_{d}=125-1.25 P", "125-1.25P", True),
+        ("\\lambda = 500", "500", True),
+        ("x=5", "x = 5", True),
+        ("X_{d}=125-1.25 P", "125", False),
+        ("f(x)=2 x", "2", False),
+        ("\\lambda = 500", "50", False),
+    ],
+    "units in text": [
+        ("15000 \\text{ kcal m}^{-2} \\text{yr}^{-1}", "15000", True),
+        ("4.4677 \\times 10^{14} Hz", "4.4677 \\times 10^{14}", True),
+        ("6.43 \\times 10^{16} \\text{ cm}^{-3}", "6.43e16", True),
+        ("5.4 \\text{ cents}", "5.4", True),
+        ("5", "5 \\text{ cm}", True),
+        ("15000 \\text{ kcal m}^{-2} \\text{yr}^{-1}", "1500", False),
+        ("6.43 \\times 10^{16} \\text{ cm}^{-3}", "6.43e15", False),
+        ("2 x", "2", False),  # a one-letter variable is not a unit
+    ],
+    "words and named quantities are graded as text": [
+        ("\\text{Evelyn}", "Evelyn", True),
+        ("\\text{(C)}", "C", True),
+        ("SRAC=LRAC", "SRAC = LRAC", True),
+        ("\\text{Evelyn}", "0", False),
+        ("3 \\text{ apples and } 2 \\text{ pears}", "3", False),
+        ("SRAC=LRAC", "2", False),
+        ("\\text{east}", "2", False),
+    ],
+    "spacing of comma-separated answers": [
+        ("1, 2, 3", "1,2,3", True),
+        ("1,2,3", "1, 2, 3", True),
+        ("(1, 2)", "(1,2)", True),
+        ("1, 2, 3", "1, 2, 4", False),
+    ],
+    "lists of acceptable answers": [
+        ('["0.01", "0.02"]', "0.01", True),
+        ('["0.01", "0.02"]', "0.02", True),
+        ('["4.4e7", "4.4 \\\\times 10^7"]', "44000000", True),
+        ('["0.01", "0.02"]', "0.03", False),
+        ('["\\\\text{east}", "\\\\text{E}"]', "2", False),
+    ],
+}
+TABLE = [(cls, *case) for cls, cases in CASES.items() for case in cases]
+
+
+def r1(answer: str) -> str:
+    return f"Reasoning.</think>\nSo the answer is $\\boxed{{{answer}}}$."
+
+
+def test_every_class_has_both_directions():
+    for cls, cases in CASES.items():
+        assert {expected for _, _, expected in cases} == {True, False}, cls
+
+
+def test_table():
+    results = grade_responses([r1(a) for _, _, a, _ in TABLE], [lab for _, lab, _, _ in TABLE])
+    wrong = [
+        (cls, label, answer, result)
+        for (cls, label, answer, expected), result in zip(TABLE, results, strict=True)
+        if result.correct != expected or result.reason not in REASONS
+    ]
+    assert not wrong
+
+
+def test_text_labels_fail_with_their_own_reason():
+    (result,) = grade_responses([r1("0")], ["\\text{Evelyn}"])
+    assert result.reason == "text_mismatch" and "text_mismatch" in REASONS
+
+
+def test_list_labels_may_be_python_lists():
+    results = grade_responses([r1("0.02"), r1("0.03")], [["0.01", "0.02"]] * 2)
+    assert [r.correct for r in results] == [True, False]
+
+
+def test_list_encoding_round_trips_and_single_answers_stay_plain():
+    answers = ["\\frac{1}{2}", 'say "hi"', "[1, 2)"]
+    assert decode_alternatives(encode_alternatives(answers)) == answers
+    assert encode_alternatives(["4\n", "4"]) == "4"
+    assert decode_alternatives("[1, 2]") == ["[1, 2]"]  # an interval is not a list label
+    assert decode_alternatives('["unclosed"') == ['["unclosed"']
+
+
+def test_canonical_keeps_matrix_row_breaks():
+    assert canonical("\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}").count("\\\\") == 1
+    assert gold_forms("") == ([], [])
+
+
+mantissas = st.integers(min_value=100, max_value=999)
+exponents = st.integers(min_value=-30, max_value=30)
+signs = st.sampled_from([1, -1])
+
+
+def latex_sci(mantissa: int, exponent: int, sign: int) -> str:
+    return f"{'-' if sign < 0 else ''}{mantissa / 100:.2f} \\times 10^{{{exponent}}}"
+
+
+@settings(max_examples=40, deadline=None)
+@given(mantissas, exponents, signs)
+def test_a_number_equals_itself_in_every_notation(mantissa, exponent, sign):
+    label = latex_sci(mantissa, exponent, sign)
+    value = sign * Decimal(mantissa).scaleb(exponent - 2)
+    answers = [label, f"{value:e}", format(value, "f")]
+    assert all(r.correct for r in grade_responses([r1(a) for a in answers], [label] * 3))
+
+
+@settings(max_examples=40, deadline=None)
+@given(mantissas, exponents, signs, st.sampled_from(["1.011", "0.989", "1.5", "0.5", "-1"]))
+def test_a_number_off_by_more_than_one_percent_is_wrong(mantissa, exponent, sign, factor):
+    label = latex_sci(mantissa, exponent, sign)
+    value = sign * Decimal(mantissa).scaleb(exponent - 2) * Decimal(factor)
+    answers = [f"{value:e}", format(value, "f")]
+    results = grade_responses([r1(a) for a in answers], [label] * 2)
+    assert not any(r.correct for r in results), (label, answers, results)
