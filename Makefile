@@ -37,9 +37,9 @@ format: $(STAMP)
 test: lint
 	$(PY) -m pytest
 
-# DRPO vs a length-penalised baseline on a toy task, CPU only (docs/demo.md).
+# DRPO vs a length-penalised baseline on a toy task through python -m drpo_openrlhf.train, CPU only (docs/demo.md).
 demo: $(STAMP)
-	$(PY) -m drpo_openrlhf.local.demo
+	$(PY) -m drpo_openrlhf.demo
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -19,6 +19,7 @@ from drpo_openrlhf.algo.config import KL_ESTIMATES, PENALTY_FORMS
 from drpo_openrlhf.algo.length_reward import LENGTH_REWARDS
 from drpo_openrlhf.algo.shaper import GroupRewardShaper
 from drpo_openrlhf.algo.shaping import METHODS
+from drpo_openrlhf.integration import preflight
 from drpo_openrlhf.integration.layout import Layout
 from drpo_openrlhf.openrlhf_cli import openrlhf_parser
 
@@ -239,6 +240,17 @@ def refuse_unsafe_dynamic_batching(args: argparse.Namespace) -> None:
         )
 
 
+def check_inputs(args: argparse.Namespace) -> None:
+    """Model, reward file and local datasets, before anything starts (``preflight``)."""
+    preflight.check_model(getattr(args, "actor.model_name_or_path"))
+    for url in (getattr(args, "reward.remote_url") or "").split(","):
+        preflight.check_reward_file(url.strip())
+    input_key, label_key = getattr(args, "data.input_key"), getattr(args, "data.label_key")
+    for flag in ("data.prompt_dataset", "eval.dataset"):
+        if getattr(args, flag):
+            preflight.check_prompt_data(getattr(args, flag), input_key, label_key)
+
+
 def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> DRPOConfig:
     """Reject what DRPO cannot run exactly; returns the DRPO config. Raises ``ValueError``."""
     for flag, advice in REJECTED_FLAGS.items():
@@ -283,6 +295,7 @@ def parse(argv: list[str]) -> tuple[DRPOConfig, SimpleNamespace, list[str]]:
             config = drpo_config(args)
         else:
             config = validate(args, parser)
+        check_inputs(args)
     except ValueError as error:  # LayoutError included
         parser.error(str(error))
     return config, run, with_defaults(openrlhf_args_of(argv), defaults)

@@ -154,7 +154,7 @@ def entry_point(monkeypatch):
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     seen = {"cpu": [], "stock_actor": ppo_actor.PolicyModelActor}
     monkeypatch.setattr(cpu_support, "enable", lambda: seen["cpu"].append("enable"))
-    monkeypatch.setattr(launch, "init_cpu_ray", lambda argv: seen["cpu"].append(argv))
+    monkeypatch.setattr(launch, "init_cpu_ray", lambda args: seen["cpu"].append(args))
 
     def fake_run_module(name, run_name, alter_sys):
         args = openrlhf_config.hierarchize(openrlhf_parser().parse_args(sys.argv[1:]))
@@ -184,7 +184,8 @@ def test_main_runs_openrlhf_with_the_drpo_actors(entry_point):
     assert seen["args"].drpo.lam == 0.2 and seen["args"].algo.kl.init_coef == 0
     assert "--drpo.lam" not in seen["argv"]
     # no GPU here: CPU support on, Ray started for the run's own argv, CPU vLLM engines
-    assert seen["cpu"] == ["enable", seen["argv"][1:]]
+    assert seen["cpu"][0] == "enable"
+    assert seen["cpu"][1]["actor.model_name_or_path"] == "some/model"
     assert seen["rollout"] is ray_actors.CPURolloutRayActor
 
 

@@ -32,6 +32,19 @@ def has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
+def check_layout(zero_stage: int, actor_ranks: int) -> None:
+    """Refuse what a CPU run cannot do reliably. ZeRO-3 over several gloo ranks: OpenRLHF
+    loads the model under ``zero.Init``, whose gathers wait on the last of their async gloo
+    all-gathers only; on CPU the others can still be running and some loaded shards come out
+    as uninitialised memory (docs/status.md). NCCL completes them in order, so GPUs are fine."""
+    if zero_stage == 3 and actor_ranks > 1:
+        raise ValueError(
+            "--ds.zero_stage 3 with several actor ranks is not supported without a GPU (gloo "
+            "can corrupt the weights OpenRLHF loads under zero.Init): use --ds.zero_stage 2, "
+            "or one actor rank"
+        )
+
+
 class GlooBroadcastGroup:
     """The weight-sync group: a gloo process group outside ``torch.distributed``'s default
     group, with the ``broadcast(tensor, src, stream)`` call OpenRLHF makes on vLLM's NCCL

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 from drpo_openrlhf.algo import DRPOConfig
 from drpo_openrlhf.integration import cpu_support
-from drpo_openrlhf.openrlhf_cli import TRAIN_MODULE
+from drpo_openrlhf.openrlhf_cli import TRAIN_MODULE, openrlhf_parser
 
 logger = logging.getLogger(__name__)
 
@@ -42,11 +42,11 @@ def with_rollout_logprobs(create_vllm_engines):
     return create
 
 
-def init_cpu_ray(openrlhf_argv: list[str]) -> None:
-    """Ray for a run without a GPU: every worker process installs ``cpu_support`` first. With
-    no cluster to join (no ``RAY_ADDRESS``) a local one is started whose fake GPUs and CPUs
-    cover OpenRLHF's placement groups (one ``{"GPU": 1, "CPU": 1}`` bundle per actor rank and
-    per vLLM engine)."""
+def init_cpu_ray(args: dict) -> None:
+    """Ray for a run without a GPU (``args``: OpenRLHF's flat flags): every worker process
+    installs ``cpu_support`` first. With no cluster to join (no ``RAY_ADDRESS``) a local one
+    is started whose fake GPUs and CPUs cover OpenRLHF's placement groups (one
+    ``{"GPU": 1, "CPU": 1}`` bundle per actor rank and per vLLM engine)."""
     import ray
 
     runtime_env = {
@@ -56,12 +56,10 @@ def init_cpu_ray(openrlhf_argv: list[str]) -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(runtime_env=runtime_env)
         return
-    from drpo_openrlhf.openrlhf_cli import openrlhf_parser
-
-    args = vars(openrlhf_parser().parse_args(openrlhf_argv))
     slots = args["actor.num_nodes"] * args["actor.num_gpus_per_node"]
     slots += (args["vllm.num_engines"] or 0) * args["vllm.tensor_parallel_size"]
     ray.init(
+        address="local",
         runtime_env=runtime_env,
         num_gpus=slots,
         num_cpus=max(slots + 1, os.cpu_count() or 1),
@@ -83,8 +81,15 @@ def run_openrlhf(openrlhf_argv: list[str], config: DRPOConfig, run: SimpleNamesp
     cpu = not cpu_support.has_gpu()
     if cpu:
         logger.warning("no CUDA device: CPU run (vLLM CPU engines, gloo weight sync)")
+        args = vars(openrlhf_parser().parse_args(openrlhf_argv))
+        ranks = args["actor.num_nodes"] * args["actor.num_gpus_per_node"]
+        try:
+            cpu_support.check_layout(args["ds.zero_stage"], ranks)
+        except ValueError as error:  # a usage error, answered as argparse does
+            print(f"python -m drpo_openrlhf.train: error: {error}", file=sys.stderr)
+            raise SystemExit(2) from None
         cpu_support.enable()
-        init_cpu_ray(openrlhf_argv)
+        init_cpu_ray(args)
 
     import openrlhf.trainer.ray as openrlhf_ray
     import openrlhf.utils.config as openrlhf_config

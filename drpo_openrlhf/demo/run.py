@@ -1,36 +1,69 @@
-"""``make demo`` / ``python -m drpo_openrlhf.local.demo``: DRPO against a length-penalised
-GRPO-style baseline on the toy task, on CPU, in minutes.
+"""``make demo`` / ``python -m drpo_openrlhf.demo``: DRPO against a length-penalised baseline
+on a toy task, on CPU, through the product's own entry point.
 
 1. writes the toy task's training and evaluation sets (JSONL, ``drpo-data``'s format);
-2. builds a small Qwen2 and fine-tunes it on verbose traces: the base policy;
-3. from the base, at the same settings: DisCO (DRPO with lambda = inf, the no-length-penalty
-   reference), DRPO and RLOO-LP;
-4. evaluates the four models with ``drpo-eval``'s evaluator, prints pass@1, mean length and
-   AES against DisCO, and draws the trade-off figure.
+2. builds a small Qwen2 and fine-tunes it on verbose traces: the base policy (a small SFT
+   loop of its own: OpenRLHF's SFT trainer would need a second stack for one step);
+3. starts a local Ray cluster and runs ``python -m drpo_openrlhf.train`` three times from the
+   base at the same settings: DisCO (lambda = inf, the no-length-penalty reference), DRPO and
+   RLOO-LP. Each run is the real pipeline: a vLLM CPU engine, the DeepSpeed actor, the math
+   reward plugin, OpenRLHF's checkpoints and tensorboard logs;
+4. evaluates the four models with ``drpo-eval``'s evaluator, prints pass@1, mean length, AES
+   against DisCO and the share of correct responses each method pushed down, and draws the
+   trade-off figure.
 
-Everything is seeded; outputs go to ``--output-dir`` (default ``outputs/demo``).
+Everything is seeded; outputs go to ``--output-dir`` (default ``outputs/demo``), each run's
+full log to ``logs/<run>.log`` there.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import re
 import shutil
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from drpo_openrlhf.algo import DRPOConfig
-from drpo_openrlhf.local.sft import SFTConfig
-from drpo_openrlhf.local.toy_task import ToyProblem, ToyTaskConfig, response_shape
-from drpo_openrlhf.local.trainer import TrainConfig
+from drpo_openrlhf.demo.sft import SFTConfig
+from drpo_openrlhf.demo.toy_task import ToyProblem, ToyTaskConfig, response_shape
+
+# what the runs need on a machine without a model hub; setdefault, so a user's value wins
+RUN_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TORCHDYNAMO_DISABLE": "1",
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    """What every RL run shares (``drpo_openrlhf.train``'s flag in each comment)."""
+
+    rollout_steps: int = 40  # --drpo.max_steps
+    rollout_batch_size: int = 16  # --rollout.batch_size (prompts)
+    n_samples_per_prompt: int = 8  # --rollout.n_samples_per_prompt
+    train_batch_size: int = 64  # --train.batch_size (responses per optimizer step)
+    micro_batch_size: int = 64  # --train.micro_batch_size
+    max_new_tokens: int = 128  # --rollout.max_new_tokens
+    temperature: float = 1.0  # --rollout.temperature
+    top_p: float = 1.0  # --rollout.top_p
+    lr: float = 2e-4  # --actor.adam.lr; the paper's 1.5B runs use 2e-6
+    seed: int = 0  # --train.seed
 
 
 @dataclass(frozen=True)
 class DemoConfig:
-    """Everything the demo runs with; ``quick()`` is the seconds-long version the tests use."""
+    """Everything the demo runs with; ``quick()`` is the short version the tests use."""
 
     task: ToyTaskConfig = field(default_factory=ToyTaskConfig)
     hidden_size: int = 96
@@ -39,17 +72,15 @@ class DemoConfig:
     num_train_problems: int = 4000
     eval_problems_per_dataset: int = 128
     eval_samples: int = 8
-    rl: TrainConfig = field(
-        default_factory=lambda: TrainConfig(rollout_steps=40, temperature=1.0, lr=2e-4)
-    )
+    rl: RLConfig = field(default_factory=RLConfig)
     lam: float = 0.1
     alpha: float = 0.2
     seed: int = 0
 
     @staticmethod
     def quick() -> DemoConfig:
-        """Seconds instead of minutes: sums of two or three 1s and 2s, a smaller model, a
-        short SFT and a few rollouts at a higher learning rate."""
+        """Sums of two or three 1s and 2s, a smaller model, a short SFT and a few rollouts
+        at a higher learning rate."""
         return DemoConfig(
             task=ToyTaskConfig(min_terms=2, max_terms=3, max_operand=2),
             hidden_size=64,
@@ -57,13 +88,12 @@ class DemoConfig:
             num_train_problems=200,
             eval_problems_per_dataset=16,
             eval_samples=4,
-            rl=TrainConfig(
+            rl=RLConfig(
                 rollout_steps=12,
                 rollout_batch_size=8,
                 train_batch_size=32,
-                micro_batch_size=16,
+                micro_batch_size=32,
                 max_new_tokens=96,
-                temperature=1.0,
                 lr=1e-3,
             ),
         )
@@ -78,33 +108,123 @@ def with_seed(config: DemoConfig, seed: int) -> DemoConfig:
 
 @dataclass(frozen=True)
 class Run:
-    """One RL run and how its result is labelled in tables and plots."""
+    """One RL run: its ``drpo_openrlhf.train`` flags and how its result is labelled."""
 
     name: str
     method: str
     param_name: str
     param: str
     role: str
-    train: TrainConfig
-    drpo: DRPOConfig | None
+    flags: tuple[str, ...]
 
 
 def demo_runs(config: DemoConfig) -> list[Run]:
-    """DisCO (the no-penalty reference), DRPO and RLOO-LP: same base, same first rollout,
-    same batch arithmetic and optimiser."""
-    rl = config.rl
-    rloo = replace(rl, method="rloo_lp", shaping_params={"alpha": config.alpha})
-    lam = str(config.lam)
+    """DisCO (the no-penalty reference), DRPO and RLOO-LP: same base, same settings. RLOO-LP
+    runs OpenRLHF's PPO actor without a reference model, like the others."""
+    lam, alpha = str(config.lam), str(config.alpha)
+    rloo = ("--shaping.method", "rloo_lp", "--shaping.params", f"alpha={alpha}")
+    rloo += ("--algo.kl.init_coef", "0")
     return [
-        Run("DisCO", "DRPO", "lambda", "inf", "reference", rl, DRPOConfig(lam=float("inf"))),
-        Run(f"DRPO-{lam}", "DRPO", "lambda", lam, "run", rl, DRPOConfig(lam=config.lam)),
-        Run(f"RLOO-LP-{config.alpha}", "RLOO-LP", "alpha", str(config.alpha), "run", rloo, None),
+        Run("DisCO", "DRPO", "lambda", "inf", "reference", ("--drpo.lam", "inf")),
+        Run(f"DRPO-{lam}", "DRPO", "lambda", lam, "run", ("--drpo.lam", lam)),
+        Run(
+            f"RLOO-LP-{alpha}",
+            "RLOO-LP",
+            "alpha",
+            alpha,
+            "run",
+            (*rloo, "--algo.kl.init_coef", "0"),
+        ),
     ]
+
+
+def train_command(rl: RLConfig, run: Run, base: Path, train_file: Path, out: Path) -> list[str]:
+    """``python -m drpo_openrlhf.train ...`` for ``run``: one actor rank and one vLLM engine
+    (non-colocated), ZeRO-2, checkpoints, the final model in ``out/models/<run>``."""
+    return [
+        sys.executable,
+        "-m",
+        "drpo_openrlhf.train",
+        *("--actor.model_name_or_path", str(base)),
+        *("--data.prompt_dataset", str(train_file), "--data.input_key", "prompt"),
+        *("--data.label_key", "label", "--data.apply_chat_template"),
+        *("--actor.num_nodes", "1", "--actor.num_gpus_per_node", "1"),
+        *("--vllm.num_engines", "1", "--vllm.enforce_eager"),
+        *("--vllm.gpu_memory_utilization", "0.1"),  # on CPU: the share of RAM for KV cache
+        *("--rollout.batch_size", str(rl.rollout_batch_size)),
+        *("--rollout.n_samples_per_prompt", str(rl.n_samples_per_prompt)),
+        *("--rollout.max_new_tokens", str(rl.max_new_tokens)),
+        *("--rollout.temperature", str(rl.temperature), "--rollout.top_p", str(rl.top_p)),
+        *("--data.max_len", str(rl.max_new_tokens + 64)),
+        *("--train.batch_size", str(rl.train_batch_size)),
+        *("--train.micro_batch_size", str(rl.micro_batch_size)),
+        *("--ds.zero_stage", "2", "--ds.attn_implementation", "sdpa"),
+        *("--actor.adam.lr", str(rl.lr), "--train.seed", str(rl.seed)),
+        *("--drpo.max_steps", str(rl.rollout_steps)),
+        *("--ckpt.path", str(out / "ckpt" / run.name)),
+        *("--ckpt.output_dir", str(out / "models" / run.name)),
+        *("--logger.tensorboard_dir", str(out / "tensorboard" / run.name)),
+        *run.flags,
+    ]
+
+
+STEP_LINE = re.compile(r"Global step (\d+): ")
+
+
+def _metric(line: str, key: str) -> str:
+    found = re.search(rf"'{re.escape(key)}': ([-+\w.]+)", line)
+    return found.group(1) if found else "?"
+
+
+def run_logged(command: list[str], log: Path, label: str, steps: int, progress: bool) -> None:
+    """Runs ``command`` with its output in ``log``, printing one line per training step;
+    a failure raises with the log's last lines."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **{k: os.environ.get(k, v) for k, v in RUN_ENV.items()}}
+    with log.open("w") as sink:
+        process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
+        assert process.stdout is not None
+        for line in process.stdout:
+            sink.write(line)
+            found = STEP_LINE.search(line)
+            if progress and found:
+                reward = _metric(line, "rollout/reward_mean")
+                length = _metric(line, "rollout/response_length_mean")
+                print(
+                    f"  {label}: step {found.group(1)}/{steps}  reward {float(reward):.3f}  "
+                    f"length {float(length):.1f}",
+                    flush=True,
+                )
+        code = process.wait()
+    if code != 0:
+        tail = "".join(log.read_text().splitlines(keepends=True)[-25:])
+        raise RuntimeError(f"{label} failed (exit {code}); full log: {log}\n{tail}")
+
+
+@contextmanager
+def local_ray_cluster(num_gpus: int) -> Iterator[str]:
+    """A local Ray cluster with fake GPUs for the runs to join (``RAY_ADDRESS``), stopped on
+    exit: the CPU stand-in for the cluster a user submits to."""
+    import ray
+
+    context = ray.init(
+        address="local",
+        num_cpus=2 * num_gpus,
+        num_gpus=num_gpus,
+        include_dashboard=False,
+        log_to_driver=False,
+    )
+    try:
+        yield context.address_info["address"]
+    finally:
+        ray.shutdown()
 
 
 def make_problems(config: DemoConfig) -> tuple[list[ToyProblem], list[ToyProblem]]:
     """Training problems, and an evaluation set with as many problems per number of terms."""
-    from drpo_openrlhf.local.toy_task import sample_problem
+    from drpo_openrlhf.demo.toy_task import sample_problem
 
     rng = random.Random(config.seed)
     train = [sample_problem(rng, config.task) for _ in range(config.num_train_problems)]
@@ -177,6 +297,7 @@ MAIN_COLUMNS = (
     "aes_vs_reference",
     "length_vs_base",
     "pass@1_vs_base",
+    "correct_pushed_down",
 )
 
 
@@ -232,7 +353,8 @@ def _cell(column: str, value: Any) -> str:
         return f"{100 * value:+.1f}pt"
     if column.endswith("rechecks"):
         return f"{value:.2f}"
-    return f"{100 * value:.1f}" if column.endswith(("pass@1", "skipped")) else f"{value:.1f}"
+    percent = column.endswith(("pass@1", "skipped", "pushed_down"))
+    return f"{100 * value:.1f}" if percent else f"{value:.1f}"
 
 
 def format_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
@@ -244,17 +366,36 @@ def format_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
+# The share of correct responses a method's update pushed down, as each logs it
+MISLED_TAGS = (
+    "train/drpo/frac_correct_negative_signal",
+    "train/rollout/frac_correct_negative_signal",
+)
+
+
+def misled_share(tensorboard_dir: Path) -> float | None:
+    """Mean over a run's steps of the share of correct responses given a negative learning
+    signal (read back from its tensorboard logs); None if it logged none."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    values = []
+    for events in sorted(tensorboard_dir.rglob("events.out.tfevents.*")):
+        accumulator = EventAccumulator(str(events))
+        accumulator.Reload()
+        for tag in set(MISLED_TAGS) & set(accumulator.Tags()["scalars"]):
+            values += [e.value for e in accumulator.Scalars(tag)]
+    return sum(values) / len(values) if values else None
+
+
 def run_demo(config: DemoConfig, output_dir: str | Path, *, progress: bool = True) -> dict:
     """The whole demo; returns (and writes to ``summary.json``) the table and timings."""
+    from drpo_openrlhf.demo.sft import train_sft
+    from drpo_openrlhf.demo.toy_model import build_toy_model
+    from drpo_openrlhf.demo.toy_task import sample_traces, write_jsonl
     from drpo_openrlhf.eval.plot import plot_tradeoff
-    from drpo_openrlhf.eval.problems import load_problems
     from drpo_openrlhf.eval.runner import RunLabel
-    from drpo_openrlhf.local.sft import train_sft
-    from drpo_openrlhf.local.toy_model import build_toy_model
-    from drpo_openrlhf.local.toy_task import sample_traces, write_jsonl
-    from drpo_openrlhf.local.trainer import train
 
-    out = Path(output_dir)
+    out = Path(output_dir).resolve()
     shutil.rmtree(out, ignore_errors=True)
     seconds: dict[str, float] = {}
     clock = time.perf_counter()
@@ -273,29 +414,39 @@ def run_demo(config: DemoConfig, output_dir: str | Path, *, progress: bool = Tru
     base = train_sft(init, out / "models" / "base", traces, config.sft, progress=progress)
     seconds["sft"] = time.perf_counter() - clock
 
-    prompts = [p for ps in load_problems([train_file]).values() for p in ps]
     models: list[tuple[Path, Any]] = [(base, RunLabel(name="base", role="base"))]
-    for run in demo_runs(config):
-        clock = time.perf_counter()
-        path = train(
-            base, prompts, out / "models" / run.name, run.train, run.drpo, progress=progress
-        )
-        seconds[f"train {run.name}"] = time.perf_counter() - clock
-        label = RunLabel(run.name, run.method, run.param, run.param_name, run.role)
-        models.append((path, label))
+    misled: dict[str, float | None] = {"base": None}
+    with local_ray_cluster(num_gpus=2) as address:
+        os.environ["RAY_ADDRESS"] = address
+        try:
+            for run in demo_runs(config):
+                clock = time.perf_counter()
+                if progress:
+                    print(f"{run.name}: python -m drpo_openrlhf.train ...", flush=True)
+                command = train_command(config.rl, run, base, train_file, out)
+                log = out / "logs" / f"{run.name}.log"
+                run_logged(command, log, run.name, config.rl.rollout_steps, progress)
+                seconds[f"train {run.name}"] = time.perf_counter() - clock
+                label = RunLabel(run.name, run.method, run.param, run.param_name, run.role)
+                models.append((out / "models" / run.name, label))
+                misled[run.name] = misled_share(out / "tensorboard" / run.name)
+        finally:
+            os.environ.pop("RAY_ADDRESS", None)
 
     clock = time.perf_counter()
     docs, shapes = evaluate(config, models, eval_file, out / "results", progress)
     seconds["evaluate"] = time.perf_counter() - clock
     plot_tradeoff(docs, out / "tradeoff.png")
     rows = summary_rows(docs, shapes)
+    for row in rows:
+        row["correct_pushed_down"] = misled[row["name"]]
     summary = {"config": asdict(config), "rows": rows, "seconds": seconds}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m drpo_openrlhf.local.demo", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m drpo_openrlhf.demo", description=__doc__)
     parser.add_argument("--output-dir", type=Path, default=Path("outputs/demo"))
     parser.add_argument("--quick", action="store_true", help="seconds-long smoke version")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from drpo_openrlhf.local.demo import MAIN_COLUMNS, DemoConfig, demo_runs, format_table, run_demo
 from drpo_openrlhf.local.trainer import CHECKPOINT_FILE
 

@@ -12,16 +12,22 @@ from pathlib import Path
 
 from drpo_openrlhf.tiny_model import build_tiny_model
 
+HEAD_DIM = 32
+
 
 def build_toy_model(
     output_dir: str | Path,
     *,
     hidden_size: int = 128,
     num_layers: int = 3,
-    num_heads: int = 4,
     seed: int = 0,
 ) -> Path:
-    """Writes a randomly initialised model + tokenizer to ``output_dir`` (an HF directory)."""
+    """Writes a randomly initialised model + tokenizer to ``output_dir`` (an HF directory).
+
+    Heads are ``HEAD_DIM`` wide: the smallest head size vLLM's CPU attention supports."""
+    if hidden_size % HEAD_DIM:
+        raise ValueError(f"hidden_size must be a multiple of {HEAD_DIM}, got {hidden_size}")
+    num_heads = hidden_size // HEAD_DIM
     import torch
     from transformers import (
         AutoConfig,

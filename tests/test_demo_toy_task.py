@@ -7,8 +7,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from drpo_openrlhf.eval.problems import load_problems
-from drpo_openrlhf.local.toy_task import (
+from drpo_openrlhf.demo.toy_task import (
     RECHECK,
     ToyProblem,
     ToyTaskConfig,
@@ -18,6 +17,7 @@ from drpo_openrlhf.local.toy_task import (
     sample_traces,
     write_jsonl,
 )
+from drpo_openrlhf.eval.problems import load_problems
 from drpo_openrlhf.rewards import grade_responses
 from drpo_openrlhf.tiny_model import build_tiny_model
 

@@ -1,0 +1,1 @@
+"""``make demo``: the product's main job on a toy task, on CPU (``run.py``)."""

@@ -1,0 +1,3 @@
+from drpo_openrlhf.demo.run import main
+
+main()

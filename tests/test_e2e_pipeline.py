@@ -1,0 +1,215 @@
+"""The product's main job end to end: ``python -m drpo_openrlhf.train`` as a subprocess, with
+real Ray, a real vLLM CPU engine, the DeepSpeed actor and the math reward plugin, on a toy
+model that already solves some prompts (so groups hold both correct and incorrect answers).
+
+One local Ray cluster (fake GPUs) serves the module, as a cluster serves a user's jobs; after
+every run no actor or vLLM engine process may be left. ``pytest -m e2e`` runs these alone.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from drpo_openrlhf.demo.run import DemoConfig, local_ray_cluster, make_problems
+from drpo_openrlhf.demo.sft import train_sft
+from drpo_openrlhf.demo.toy_model import build_toy_model
+from drpo_openrlhf.demo.toy_task import sample_traces, write_jsonl
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+LEFTOVER_MARKERS = ("ray::_", "EngineCore", "VLLM::")
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The demo's quick base policy (about half its rollouts correct) and its data."""
+    config = DemoConfig.quick()
+    root = tmp_path_factory.mktemp("toy")
+    train_problems, eval_problems = make_problems(config)
+    init = build_toy_model(root / "init", hidden_size=config.hidden_size, seed=0)
+    traces = sample_traces(random.Random(1), config.task, train_problems)
+    base = train_sft(init, root / "base", traces, config.sft, progress=False)
+    return {
+        "base": base,
+        "train": write_jsonl(train_problems, root / "train.jsonl"),
+        "eval": write_jsonl(eval_problems[:16], root / "eval.jsonl"),
+    }
+
+
+@pytest.fixture(scope="module")
+def ray_address():
+    with local_ray_cluster(num_gpus=3) as address:
+        yield address
+
+
+def leftovers() -> list[str]:
+    """Command lines of Ray actor and vLLM engine processes still alive."""
+    found = []
+    for status in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            line = status.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if any(marker in line for marker in LEFTOVER_MARKERS):
+            found.append(line.strip())
+    return found
+
+
+def train(toy, out: Path, *flags: str, ray_address: str | None, steps: int = 2):
+    """``python -m drpo_openrlhf.train`` on the toy task; returns the finished process (its
+    output in ``out/log``) once no actor or engine process of it is left."""
+    command = [
+        sys.executable,
+        "-m",
+        "drpo_openrlhf.train",
+        *("--actor.model_name_or_path", str(toy["base"])),
+        *("--data.prompt_dataset", str(toy["train"]), "--data.input_key", "prompt"),
+        *("--data.label_key", "label", "--data.apply_chat_template"),
+        *("--actor.num_nodes", "1", "--actor.num_gpus_per_node", "1"),
+        *("--vllm.num_engines", "1", "--vllm.enforce_eager"),
+        *("--vllm.gpu_memory_utilization", "0.1"),
+        *("--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "4"),
+        *("--rollout.max_new_tokens", "64", "--data.max_len", "128"),
+        *("--rollout.temperature", "1.0", "--train.batch_size", "16"),
+        *("--train.micro_batch_size", "8", "--ds.attn_implementation", "sdpa"),
+        *("--actor.adam.lr", "1e-3", "--drpo.max_steps", str(steps)),
+        *("--ckpt.path", str(out / "ckpt"), "--ckpt.output_dir", str(out / "model")),
+        *("--ckpt.save_steps", "1", "--logger.tensorboard_dir", str(out / "tb")),
+        *flags,
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    if ray_address:
+        env["RAY_ADDRESS"] = ray_address
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "log").open("w") as log:
+        done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=600)
+    deadline = time.monotonic() + 60
+    while leftovers() and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not leftovers(), f"processes left after the run: {leftovers()}"
+    done.output = (out / "log").read_text()
+    return done
+
+
+def scalars(tb_dir: Path) -> dict[str, dict[int, float]]:
+    """Every scalar a run logged: tag -> {step: value}."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    found: dict[str, dict[int, float]] = {}
+    for events in sorted(tb_dir.rglob("events.out.tfevents.*")):
+        accumulator = EventAccumulator(str(events))
+        accumulator.Reload()
+        for tag in accumulator.Tags()["scalars"]:
+            found.setdefault(tag, {}).update({e.step: e.value for e in accumulator.Scalars(tag)})
+    return found
+
+
+def assert_drpo_trained(out: Path, base: Path, steps: int) -> dict[str, dict[int, float]]:
+    """What every DRPO run must show: a real update from prompts with both correct and
+    incorrect answers, finite objective and KL, vLLM sampling the actor's weights, the
+    checkpoints and a final model that differs from the base."""
+    logged = scalars(out / "tb")
+    assert sorted(logged["train/drpo/objective"]) == list(range(1, steps + 1))
+    assert max(logged["train/drpo/valid_prompt_fraction"].values()) > 0
+    for tag in ("train/drpo/objective", "train/drpo/kl", "train/drpo/positive_term"):
+        assert all(math.isfinite(v) for v in logged[tag].values()), tag
+    assert max(logged["train/drpo/rollout_logprob_gap"].values()) < 0.05
+    assert (out / "ckpt" / "_actor" / f"global_step{steps}").is_dir()
+    trained = load_file(out / "model" / "model.safetensors")
+    before = load_file(base / "model.safetensors")
+    assert any(not torch.equal(trained[name].float(), before[name].float()) for name in before)
+    return logged
+
+
+def test_drpo_zero2_with_eval_then_resume_from_its_checkpoint(toy, ray_address, tmp_path):
+    out = tmp_path / "run"
+    eval_flags = ("--eval.dataset", str(toy["eval"]), "--eval.steps", "1")
+    first = train(toy, out, "--ds.zero_stage", "2", *eval_flags, ray_address=ray_address)
+    assert first.returncode == 0, first.output[-3000:]
+    logged = assert_drpo_trained(out, toy["base"], steps=2)
+    assert any(tag.startswith("eval/") for tag in logged), sorted(logged)
+
+    resumed = train(
+        toy,
+        out,
+        *("--ds.zero_stage", "2", "--ckpt.load_enable", "--drpo.lam", "0.2"),
+        ray_address=ray_address,
+        steps=3,
+    )
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert "Global step 3:" in resumed.output and "Global step 1:" not in resumed.output
+    assert "global_step2" in resumed.output  # DeepSpeed loaded the step-2 weights + optimizer
+    # the checkpoint carried the DRPO settings: the changed lambda is named
+    assert "resuming with DRPO settings" in resumed.output and "'lam': 0.1" in resumed.output
+    assert (out / "ckpt" / "_actor" / "global_step3").is_dir()
+
+
+def test_drpo_zero3_one_rank(toy, ray_address, tmp_path):
+    done = train(toy, tmp_path, "--ds.zero_stage", "3", ray_address=ray_address)
+    assert done.returncode == 0, done.output[-3000:]
+    assert_drpo_trained(tmp_path, toy["base"], steps=2)
+
+
+def test_drpo_two_actor_ranks(toy, ray_address, tmp_path):
+    done = train(
+        toy,
+        tmp_path,
+        *("--ds.zero_stage", "2", "--actor.num_gpus_per_node", "2"),
+        ray_address=ray_address,
+    )
+    assert done.returncode == 0, done.output[-3000:]
+    assert_drpo_trained(tmp_path, toy["base"], steps=2)
+
+
+def test_disco_from_a_model_a_run_saved(toy, ray_address, tmp_path):
+    first = tmp_path / "first"
+    assert train(toy, first, ray_address=ray_address, steps=1).returncode == 0
+    saved = {**toy, "base": first / "model"}
+    done = train(saved, tmp_path / "disco", "--drpo.lam", "inf", ray_address=ray_address)
+    assert done.returncode == 0, done.output[-3000:]
+    assert_drpo_trained(tmp_path / "disco", first / "model", steps=2)
+
+
+def test_rloo_lp_baseline(toy, ray_address, tmp_path):
+    flags = ("--shaping.method", "rloo_lp", "--shaping.params", "alpha=0.2")
+    done = train(toy, tmp_path, *flags, "--algo.kl.init_coef", "0", ray_address=ray_address)
+    assert done.returncode == 0, done.output[-3000:]
+    logged = scalars(tmp_path / "tb")
+    assert sorted(logged["train/rollout/frac_correct_negative_signal"]) == [1, 2]
+    assert all(math.isfinite(v) for v in logged["train/policy_loss"].values())
+    assert max(logged["train/drpo/rollout_logprob_gap"].values()) < 0.05
+    assert (tmp_path / "model" / "model.safetensors").is_file()
+
+
+def _bad_inputs(toy, tmp_path: Path) -> list[tuple[list[str], str]]:
+    no_func = tmp_path / "reward_no_func.py"
+    no_func.write_text("def reward(queries, prompts, labels):\n    return {}\n")
+    broken = tmp_path / "reward_broken.py"
+    broken.write_text("def reward_func(queries, prompts, labels:\n")
+    unlabelled = tmp_path / "unlabelled.jsonl"
+    rows = [*toy["train"].read_text().splitlines()[:3], '{"prompt": "Compute 1+1."}']
+    unlabelled.write_text("\n".join(rows) + "\n")
+    return [
+        (["--reward.remote_url", str(no_func)], "defines no top-level reward_func"),
+        (["--reward.remote_url", str(broken)], "syntax error, line 1"),
+        (["--data.prompt_dataset", str(unlabelled)], "row 4: no 'label'"),
+        (["--actor.model_name_or_path", str(tmp_path / "missing")], "no such directory"),
+        (["--ds.zero_stage", "3", "--actor.num_gpus_per_node", "2"], "not supported without"),
+    ]
+
+
+def test_bad_inputs_end_the_run_with_a_clear_error(toy, tmp_path):
+    for flags, message in _bad_inputs(toy, tmp_path):
+        done = train(toy, tmp_path / "bad", *flags, ray_address=None)
+        assert done.returncode == 2, (flags, done.output[-2000:])
+        assert message in done.output, (flags, done.output[-2000:])
