@@ -148,7 +148,9 @@ def test_drpo_zero2_with_eval_then_resume_from_its_checkpoint(toy, ray_address, 
     )
     assert resumed.returncode == 0, resumed.output[-3000:]
     assert "Global step 3:" in resumed.output and "Global step 1:" not in resumed.output
-    assert "global_step2" in resumed.output  # DeepSpeed loaded the step-2 weights + optimizer
+    # DeepSpeed's step-2 checkpoint (weights and optimizer state) and OpenRLHF's client state
+    assert "Loading the checkpoint" in resumed.output and "'global_step': 2" in resumed.output
+    assert max(scalars(out / "tb")["train/drpo/rollout_logprob_gap"].values()) < 0.05
     # the checkpoint carried the DRPO settings: the changed lambda is named
     assert "resuming with DRPO settings" in resumed.output and "'lam': 0.1" in resumed.output
     assert (out / "ckpt" / "_actor" / "global_step3").is_dir()
