@@ -14,6 +14,7 @@ own daemons never run. Elsewhere the tests are skipped with the reason.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
@@ -29,6 +30,7 @@ NODES = ("n1", "n2")
 GPUS_PER_NODE = 8
 CPUS_PER_NODE = 2
 POLICY_RC_D = Path("/usr/sbin/policy-rc.d")
+PR_SET_PDEATHSIG = 1
 
 
 def missing_reason() -> str | None:
@@ -66,6 +68,11 @@ def ensure_installed() -> float:
         if guard:
             POLICY_RC_D.unlink()
     return time.monotonic() - started
+
+
+def _die_with_parent() -> None:
+    """In the daemon before exec: SIGTERM when the test process dies, even if killed."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _sbin_path() -> str:
@@ -160,7 +167,12 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         log = open(self.dir / f"{name}.out", "w")  # noqa: SIM115 - the child holds it
         with log:
             proc = subprocess.Popen(
-                argv, env=self.env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                argv,
+                env=self.env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
             )
         self.daemons.append(proc)
 

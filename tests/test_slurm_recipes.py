@@ -82,8 +82,8 @@ class Jobs:
             "NET_IFACE": "lo",  # all nodes are this host; its name may resolve to 127.0.1.1
             "PREFLIGHT": "0",  # the entry point's check costs seconds; the tests that need it ask
             "RAY_POLL_INTERVAL": "0.1",
-            "RAY_WAIT_TIMEOUT": "30",
-            "TEARDOWN_TIMEOUT": "10",
+            "RAY_WAIT_TIMEOUT": "60",
+            "TEARDOWN_TIMEOUT": "30",
         }
         result = self.cluster.run(
             "sbatch", "--parsable", f"--output={self.tmp}/%x-%j.out", *sbatch_args,
@@ -117,8 +117,13 @@ def ended(info: dict) -> bool:
 
 
 @pytest.fixture
-def jobs(cluster, tmp_path, data_dir) -> Jobs:
-    return Jobs(cluster, tmp_path, data_dir)
+def jobs(cluster, tmp_path, data_dir):
+    jobs = Jobs(cluster, tmp_path, data_dir)
+    yield jobs
+    # Shown by pytest only when the test failed.
+    for out in sorted(tmp_path.glob("*.out")):
+        print(f"--- {out.name}\n{out.read_text()}")
+    print(f"--- calls\n{jobs.log.read_text()}")
 
 
 def held_back(info: dict, seconds: float) -> bool:
@@ -224,6 +229,14 @@ def test_time_limit_warning_requeues_and_resumes(jobs: Jobs, cluster: SlurmClust
     assert "forcing job termination" not in run.output
 
 
+def test_failed_job_tears_down(jobs: Jobs) -> None:
+    job_id = jobs.submit("7b", FAKE_JOB="fail")
+    info, run = jobs.finish(job_id)
+    assert (info["JobState"], info["ExitCode"]) == ("FAILED", "1:0")
+    assert f"drpo-7b_drpo_lam0.1-{job_id}-0 failed (exit 1)" in run.output
+    assert_ray_stopped(run.calls[run.index("ray", "job", "submit") :], NODES)
+
+
 def test_scancel_stops_the_job_without_requeue(jobs: Jobs) -> None:
     job_id = jobs.submit("7b", FAKE_JOB="block")
     jobs.wait_for("job-running")
@@ -247,9 +260,15 @@ def test_preflight_refuses_the_allocated_gpus(jobs: Jobs) -> None:
     assert run.calls == []  # no Ray command ran
 
 
+def host_name_is_loopback() -> bool:
+    try:
+        return socket.gethostbyname(socket.gethostname()).startswith("127.")
+    except OSError:
+        return False
+
+
 @pytest.mark.skipif(
-    not socket.gethostbyname(socket.gethostname()).startswith("127."),
-    reason="this host name does not resolve to a loopback address",
+    not host_name_is_loopback(), reason="this host name does not resolve to a loopback address"
 )
 def test_loopback_host_name_asks_for_net_iface(jobs: Jobs) -> None:
     job_id = jobs.submit("7b", NET_IFACE="")
