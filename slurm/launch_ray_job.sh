@@ -36,7 +36,8 @@ node_ip() {
 }
 
 # `node head IP` / `node worker HEAD_IP:PORT`: runs on one node and blocks while Ray runs there;
-# SIGTERM (teardown, or Slurm ending the step) makes `ray start --block` stop this node's Ray.
+# SIGTERM to `ray start --block` stops this node's Ray processes (teardown below: under Slurm
+# after `ray stop` on every node; never through srun, which answers SIGTERM with SIGKILL).
 run_node() {
   local role=$1 address=$2
   local -a args=(--num-gpus="$GPUS_PER_NODE")
@@ -382,13 +383,37 @@ teardown() {
   fi
   ((${#node_pids[@]})) || return 0
   log "stopping Ray on ${NNODES} node(s)"
-  kill -TERM "${node_pids[@]}" 2>/dev/null || true
+  if [[ $LAUNCH_MODE == slurm ]]; then
+    stop_slurm_nodes
+  else
+    kill -TERM "${node_pids[@]}" 2>/dev/null || true
+  fi
   local deadline=$((SECONDS + TEARDOWN_TIMEOUT)) pid
   for pid in "${node_pids[@]}"; do
     while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.1; done
   done
-  kill -KILL "${node_pids[@]}" 2>/dev/null || true
+  local alive=()
+  for pid in "${node_pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive+=("$pid"); done
+  if ((${#alive[@]})); then
+    log "Ray still running after ${TEARDOWN_TIMEOUT}s: killing it"
+    kill -TERM "${alive[@]}" 2>/dev/null || true # srun: SIGKILL to its step
+    sleep 1
+    kill -KILL "${alive[@]}" 2>/dev/null || true
+  fi
   wait 2>/dev/null || true
+}
+
+# A SIGTERM to an srun client is not forwarded: srun prints "forcing job termination" and
+# slurmd kills the step with SIGKILL, which would leave Ray's processes (raylet, GCS, workers)
+# to whatever the site's process tracking does. So first `ray stop` on every node (Ray's own
+# ordered shutdown: raylet, then the other processes, then the GCS), then SIGTERM to the
+# steps' processes through Slurm (scancel without --full spares this batch shell), which ends
+# each `ray start --block`.
+# shellcheck disable=SC2329  # run by teardown
+stop_slurm_nodes() {
+  timeout "$TEARDOWN_TIMEOUT" srun --overlap --nodes="$NNODES" --ntasks="$NNODES" \
+    --ntasks-per-node=1 ray stop || log "ray stop failed on some node (exit $?)"
+  scancel --signal=TERM "$SLURM_JOB_ID" || log "scancel --signal=TERM $SLURM_JOB_ID failed"
 }
 
 # shellcheck disable=SC2329  # run by the traps below

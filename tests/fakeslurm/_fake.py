@@ -1,12 +1,16 @@
-"""Stand-ins for srun, scontrol, ray, hostname, ip and nvidia-smi (tests/test_launch_scripts.py).
+"""Stand-ins for srun, scontrol, scancel, ray, hostname, ip and nvidia-smi.
 
 Each executable in this directory calls one function here. Every call appends one JSON line
 (program, argv, node, a few environment variables) to $FAKE_LOG, so a test can assert the
 exact commands a launch script ran on which node. A blocking `ray start` registers its GPUs
-in $FAKE_STATE until it is terminated, which is what the fake `ray status` reports; nothing
-real is started.
+in $FAKE_STATE until `ray stop` runs on its node, which is what the fake `ray status` reports;
+it blocks until SIGTERM (recorded as ``<stopped>``). tests/test_launch_scripts.py uses them
+all; tests/test_slurm_recipes.py uses the `ray` stand-in alone under a real Slurm. Like the
+real ones, srun answers SIGTERM by killing its tasks (SIGKILL) and `scancel --signal=TERM JOB`
+sends SIGTERM to the steps' processes, not to the batch shell. Nothing real is started.
 
-Knobs (environment): FAKE_JOB=succeed|fail|block (what `ray job submit` does),
+Knobs (environment): FAKE_JOB=succeed|fail|block|train (what `ray job submit` does; train:
+resume when the command's --ckpt.path holds a checkpoint, else write one and block),
 FAKE_RAY_START_FAIL / FAKE_RAY_NO_REGISTER (comma-separated nodes whose `ray start` fails /
 never registers), FAKE_GPUS (GPUs `nvidia-smi -L` lists).
 """
@@ -121,16 +125,25 @@ def srun(argv: list[str]) -> int:
         return 2
     children: list[subprocess.Popen] = []
 
-    def forward(signum, frame):
+    def force_termination(signum, frame):
         record("srun", ["<SIGTERM>"])
         for child in children:
-            child.send_signal(signal.SIGTERM)
+            child.send_signal(signal.SIGKILL)
 
-    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGTERM, force_termination)
     for i, n in enumerate(nodes[:want]):
         env = {**os.environ, "SLURMD_NODENAME": n, "SLURM_PROCID": str(i)}
         children.append(subprocess.Popen(args, env=env))
     return max(child.wait() for child in children)
+
+
+def scancel(argv: list[str]) -> int:
+    record("scancel", argv)
+    if argv != ["--signal=TERM", os.environ.get("SLURM_JOB_ID")]:
+        return 2
+    for pid_file in Path(os.environ["FAKE_STATE"]).glob("node-*"):
+        os.kill(int(pid_file.name.split("-")[1]), signal.SIGTERM)
+    return 0
 
 
 def scontrol(argv: list[str]) -> int:
@@ -154,7 +167,7 @@ def ray(argv: list[str]) -> int:
             return 1
         gpus = next(a.split("=", 1)[1] for a in argv if a.startswith("--num-gpus="))
         slot = state / f"gpus-{node()}"
-        pid_file = state / f"pid-{os.getpid()}"  # lets the tests kill leftovers by id
+        pid_file = state / f"node-{os.getpid()}"  # lets the tests kill leftovers by id
         pid_file.touch()
 
         def register():
@@ -167,6 +180,9 @@ def ray(argv: list[str]) -> int:
             record("ray", ["<stopped>"])
 
         _block_until_terminated(register, stopped)
+    if argv == ["stop"]:
+        (state / f"gpus-{node()}").unlink(missing_ok=True)
+        return 0
     if argv[:1] == ["status"]:
         total = _registered(state)
         if not total:
@@ -177,8 +193,15 @@ def ray(argv: list[str]) -> int:
     if argv[:2] == ["job", "submit"]:
         mode = os.environ.get("FAKE_JOB", "succeed")
         print(f"fake job log line ({mode})", flush=True)
-        if mode == "block":
-            pid_file = state / f"pid-{os.getpid()}"
+        if mode == "train":
+            actor = Path(argv[argv.index("--ckpt.path") + 1]) / "_actor"
+            if (actor / "latest").exists():
+                record("ray", ["<job resumed>", (actor / "latest").read_text()])
+                return 0
+            (actor / "global_step20").mkdir(parents=True)
+            (actor / "latest").write_text("global_step20")
+        if mode in ("block", "train"):
+            pid_file = state / f"client-{os.getpid()}"
             pid_file.touch()
 
             def stopped():
@@ -226,6 +249,7 @@ def main(prog: str) -> None:
     commands = {
         "srun": srun,
         "scontrol": scontrol,
+        "scancel": scancel,
         "ray": ray,
         "hostname": hostname,
         "ip": ip,

@@ -1,0 +1,278 @@
+"""The Slurm recipes submitted with `sbatch` to a real Slurm (tests/slurm_cluster.py: two nodes
+on this machine, 8 fake GPUs each), with the `ray` stand-in of tests/fakeslurm/ first on PATH.
+
+Real here: sbatch, the allocation and its variables (SLURM_JOB_NODELIST, SLURMD_NODENAME,
+SLURM_GPUS_ON_NODE, SLURM_CPUS_ON_NODE, SLURM_RESTART_COUNT), `srun --overlap` placing the
+Ray head and workers on their nodes, scontrol, scancel, signals (`--signal=B:USR1`), requeue
+and the job's output file. Stand-in: `ray` (it records each call with the node it ran on,
+registers GPUs while `ray start --block` runs, and for FAKE_JOB=train writes a checkpoint
+then runs until stopped, or resumes when one exists). Each test waits for its job to end
+and checks that no Ray stand-in process and no job step is left.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from launch_checks import (
+    FAKE_BIN,
+    REPO,
+    Run,
+    assert_flags_known,
+    expected_recipe_args,
+    recipe,
+    write_data,
+)
+from slurm_cluster import NODES, SlurmCluster, ensure_installed, missing_reason
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    reason = missing_reason()
+    if reason:
+        pytest.skip(reason)
+    ensure_installed()
+    slurm = SlurmCluster()
+    try:
+        slurm.start()
+        yield slurm
+    finally:
+        left = slurm.stop()
+    assert left == [], f"processes of the test cluster outlived it: {left}"
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    return write_data(tmp_path_factory.mktemp("data"))
+
+
+class Jobs:
+    """Submits recipes to the cluster and collects what they did."""
+
+    def __init__(self, cluster: SlurmCluster, tmp: Path, data_dir: Path) -> None:
+        self.cluster = cluster
+        self.tmp = tmp
+        self.data_dir = data_dir
+        self.state = tmp / "state"
+        self.state.mkdir()
+        self.log = tmp / "calls.jsonl"
+        self.log.touch()
+        bin_dir = tmp / "bin"
+        bin_dir.mkdir()
+        (bin_dir / "ray").write_text(f'#!/bin/sh\nexec python3 -S {FAKE_BIN}/ray "$@"\n')
+        (bin_dir / "ray").chmod(0o755)
+        self.path = os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent)])
+
+    def submit(self, size: str, *sbatch_args: str, **env: str) -> str:
+        base = {
+            "PATH": f"{self.path}{os.pathsep}{self.cluster.env()['PATH']}",
+            "FAKE_LOG": str(self.log),
+            "FAKE_STATE": str(self.state),
+            "DATA_DIR": str(self.data_dir),
+            "OUTPUT_ROOT": str(self.tmp / "out"),
+            "PYTHON": sys.executable,
+            "NET_IFACE": "lo",  # all nodes are this host; its name may resolve to 127.0.1.1
+            "PREFLIGHT": "0",  # the entry point's check costs seconds; the tests that need it ask
+            "RAY_POLL_INTERVAL": "0.1",
+            "RAY_WAIT_TIMEOUT": "60",
+            "TEARDOWN_TIMEOUT": "30",
+        }
+        result = self.cluster.run(
+            "sbatch", "--parsable", f"--output={self.tmp}/%x-%j.out", *sbatch_args,
+            str(recipe(size)), **(base | env),
+        )  # fmt: skip
+        return result.stdout.strip().split(";")[0]
+
+    def output(self, job_id: str) -> str:
+        (out,) = self.tmp.glob(f"*-{job_id}.out")
+        return out.read_text()
+
+    def finish(self, job_id: str, done=None) -> tuple[dict, Run]:
+        """Wait until the job has ended (or `done(info)`), then check nothing was left."""
+        info = self.cluster.wait_job(job_id, done or ended)
+        code = int(info["ExitCode"].split(":")[0])
+        run = Run.read(code, self.output(job_id), self.log)
+        assert self.cluster.steps() == [], "a job step outlived its job"
+        killed = [p.name for p in self.state.glob("node-*")]
+        assert killed == [], f"a `ray start --block` was killed, not stopped: {run.output}"
+        return info, run
+
+    def wait_for(self, name: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not (self.state / name).exists():
+            assert time.monotonic() < deadline, f"{name} never appeared"
+            time.sleep(0.1)
+
+
+def ended(info: dict) -> bool:
+    return info["JobState"] in ("COMPLETED", "FAILED", "CANCELLED")
+
+
+@pytest.fixture
+def jobs(cluster, tmp_path, data_dir):
+    jobs = Jobs(cluster, tmp_path, data_dir)
+    yield jobs
+    # Shown by pytest only when the test failed.
+    for out in sorted(tmp_path.glob("*.out")):
+        print(f"--- {out.name}\n{out.read_text()}")
+    print(f"--- calls\n{jobs.log.read_text()}")
+
+
+def held_back(info: dict, seconds: float) -> bool:
+    """A pending job not eligible to start for at least `seconds`."""
+    if info["JobState"] != "PENDING" or info["EligibleTime"] in ("Unknown", "None"):
+        return False
+    eligible = datetime.datetime.fromisoformat(info["EligibleTime"])
+    return (eligible - datetime.datetime.now()).total_seconds() > seconds
+
+
+def assert_ray_stopped(calls: list[dict], nodes: tuple[str, ...]) -> None:
+    """`ray stop` ran on every node, then each `ray start --block` ended on SIGTERM (not
+    SIGKILL, which is what a SIGTERM to its srun would have brought)."""
+    stops = [i for i, c in enumerate(calls) if c["argv"] == ["stop"]]
+    assert sorted(calls[i]["node"] for i in stops) == sorted(nodes)
+    stopped = [i for i, c in enumerate(calls) if c["argv"] == ["<stopped>"]]
+    assert sorted(calls[i]["node"] for i in stopped) == sorted(nodes)
+    assert max(stops) < min(stopped)
+
+
+@pytest.mark.parametrize(
+    ("size", "nodes", "env"),
+    [
+        ("1.5b", 1, {"PREFLIGHT": "1"}),
+        ("7b", 2, {}),
+        ("8b", 2, {"METHOD": "rloo_lp", "SHAPING_PARAMS": "alpha=0.2"}),
+    ],
+    ids=["1.5b-preflight", "7b", "8b-rloo_lp"],
+)
+def test_recipe_runs_under_slurm(jobs: Jobs, size: str, nodes: int, env: dict) -> None:
+    job_id = jobs.submit(size, **env)
+    info, run = jobs.finish(job_id)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), run.output
+    assert info["NumNodes"] == str(nodes)
+
+    # The head on the batch node, one worker on the other node, each through its own step.
+    starts = run.of("ray", "start")
+    head = ["start", "--head", "--node-ip-address=127.0.0.1", "--port=6379",
+            "--dashboard-host=127.0.0.1", "--dashboard-port=8265", "--num-gpus=8",
+            "--num-cpus=2", "--disable-usage-stats", "--block"]  # fmt: skip
+    worker = ["start", "--address=127.0.0.1:6379", "--node-ip-address=127.0.0.1",
+              "--num-gpus=8", "--num-cpus=2", "--disable-usage-stats", "--block"]  # fmt: skip
+    assert [(c["node"], c["argv"]) for c in starts] == [("n1", head), ("n2", worker)][:nodes]
+    assert all(c["env"]["NCCL_SOCKET_IFNAME"] == "lo" for c in starts)
+    submit = run.index("ray", "job", "submit")
+    assert max(run.index("ray", *c["argv"]) for c in starts) < submit
+    assert f"{8 * nodes} GPU(s) registered" in run.output
+
+    run_name = f"drpo-{size}_" + ("rloo_lp_alpha-0.2" if "METHOD" in env else "drpo_lam0.1")
+    assert run.submit[:6] == ["job", "submit", "--address", "http://127.0.0.1:8265",
+                              "--submission-id", f"{run_name}-{job_id}-0"]  # fmt: skip
+    assert run.runtime_env["working_dir"] == str(REPO)
+    expected = expected_recipe_args(size, jobs.data_dir, jobs.tmp / "out" / run_name, nodes)
+    args = run.args()
+    assert {k: args[k] for k in expected} == expected
+    drpo_flags = [a for a in run.train_args if a.startswith("--drpo.")]
+    if "METHOD" in env:  # a baseline: OpenRLHF's PPO loss on shaped rewards, no DRPO setting
+        assert (args["algo.advantage.estimator"], args["shaping.method"]) == ("rloo", "rloo_lp")
+        assert drpo_flags == ["--drpo.max_steps"]
+    else:
+        assert (args["algo.advantage.estimator"], args["shaping.method"]) == ("group_norm", None)
+        assert (args["drpo.lam"], args["drpo.tau"], args["drpo.delta"]) == (0.1, 10.0, 1e-4)
+    assert_flags_known(run)
+    if env.get("PREFLIGHT") == "1":  # the entry point's check passed, so Ray started
+        assert "invalid training command" not in run.output
+
+    assert_ray_stopped(run.calls[submit:], NODES[:nodes])
+    assert "forcing job termination" not in run.output
+    assert run.of("ray", "job", "stop") == []  # the job ended by itself
+
+
+def test_time_limit_warning_requeues_and_resumes(jobs: Jobs, cluster: SlurmCluster) -> None:
+    """USR1 (what `--signal=B:USR1@300` sends) -> teardown -> requeue -> the rerun resumes."""
+    job_id = jobs.submit("8b", FAKE_JOB="train")
+    jobs.wait_for("job-running")
+    cluster.run("scancel", "--batch", "--signal=USR1", job_id)
+    # Requeued, it waits out the credential lifetime (AuthInfo cred_expire, 120 s by default)
+    # before it may start again; the test lets it start at once.
+    cluster.wait_job(job_id, lambda i: i["Restarts"] == "1" and held_back(i, seconds=60))
+    cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+    info, run = jobs.finish(job_id, lambda i: i["Restarts"] == "1" and ended(i))
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), run.output
+
+    first, second = (f"drpo-8b_drpo_lam0.1-{job_id}-{n}" for n in (0, 1))
+    (stop,) = run.of("ray", "job", "stop")
+    assert stop["argv"][-1] == first
+    assert run.of("ray", "<job client stopped>")
+    requeue = f"requeueing job {job_id}"
+    assert run.output.index("received SIGUSR1") < run.output.index(requeue)
+    rerun = run.index("ray", "job", "submit", "--address", "http://127.0.0.1:8265",
+                      "--submission-id", second)  # fmt: skip
+    assert_ray_stopped(run.calls[run.index("ray", "job", "stop") : rerun], NODES)
+
+    # The rerun: same output file (--open-mode=append), SLURM_RESTART_COUNT=1, same run dir.
+    ckpt = jobs.tmp / "out" / "drpo-8b_drpo_lam0.1" / "ckpt"
+    assert f"resuming from {ckpt}/_actor/global_step20" in run.output[run.output.index(requeue) :]
+    submits = run.of("ray", "job", "submit")
+    assert [c["argv"][5] for c in submits] == [first, second]
+    (resumed,) = run.of("ray", "<job resumed>")
+    assert resumed["argv"][1] == "global_step20"
+    assert len(run.of("ray", "start")) == 4  # the cluster was started again
+    assert_ray_stopped(run.calls[rerun:], NODES)
+    assert "forcing job termination" not in run.output
+
+
+def test_failed_job_tears_down(jobs: Jobs) -> None:
+    job_id = jobs.submit("7b", FAKE_JOB="fail")
+    info, run = jobs.finish(job_id)
+    assert (info["JobState"], info["ExitCode"]) == ("FAILED", "1:0")
+    assert f"drpo-7b_drpo_lam0.1-{job_id}-0 failed (exit 1)" in run.output
+    assert_ray_stopped(run.calls[run.index("ray", "job", "submit") :], NODES)
+
+
+def test_scancel_stops_the_job_without_requeue(jobs: Jobs) -> None:
+    job_id = jobs.submit("7b", FAKE_JOB="block")
+    jobs.wait_for("job-running")
+    jobs.cluster.run("scancel", job_id)
+    info, run = jobs.finish(job_id)
+    assert (info["JobState"], info["Restarts"]) == ("CANCELLED", "0")
+    assert "received SIGTERM" in run.output
+    assert run.of("ray", "job", "stop") and run.of("ray", "<job client stopped>")
+    assert run.stopped_nodes() == set(NODES)
+    assert "requeueing" not in run.output
+
+
+def test_preflight_refuses_the_allocated_gpus(jobs: Jobs) -> None:
+    """3 GPUs per node from Slurm (SLURM_GPUS_ON_NODE): 6 ranks cannot hold 128 prompts'
+    groups whole. --oversubscribe undoes the recipe's --exclusive, which allocates every GPU
+    of a node whatever --gpus-per-node asks."""
+    job_id = jobs.submit("1.5b", "--nodes=2", "--gpus-per-node=3", "--oversubscribe", PREFLIGHT="1")
+    info, run = jobs.finish(job_id)
+    assert (info["JobState"], info["ExitCode"]) == ("FAILED", "1:0")
+    assert "must be a multiple of the 6 actor ranks" in run.output
+    assert run.calls == []  # no Ray command ran
+
+
+def host_name_is_loopback() -> bool:
+    try:
+        return socket.gethostbyname(socket.gethostname()).startswith("127.")
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(
+    not host_name_is_loopback(), reason="this host name does not resolve to a loopback address"
+)
+def test_loopback_host_name_asks_for_net_iface(jobs: Jobs) -> None:
+    job_id = jobs.submit("7b", NET_IFACE="")
+    info, run = jobs.finish(job_id)
+    assert info["JobState"] == "FAILED"
+    assert "set NET_IFACE to the interface the nodes share" in run.output
+    assert run.calls == []
