@@ -49,7 +49,7 @@ RUN_ENV = {
 class RLConfig:
     """What every RL run shares (``drpo_openrlhf.train``'s flag in each comment)."""
 
-    rollout_steps: int = 40  # --drpo.max_steps
+    rollout_steps: int = 32  # --drpo.max_steps
     rollout_batch_size: int = 16  # --rollout.batch_size (prompts)
     n_samples_per_prompt: int = 8  # --rollout.n_samples_per_prompt
     train_batch_size: int = 64  # --train.batch_size (responses per optimizer step)
