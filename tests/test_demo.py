@@ -25,6 +25,9 @@ from drpo_openrlhf.demo.run import (
 
 def test_each_run_is_a_valid_drpo_openrlhf_train_command(tmp_path: Path) -> None:
     config = DemoConfig()
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "config.json").write_text("{}")
+    (tmp_path / "t.jsonl").write_text('{"prompt": "Compute 1+2.", "label": "3"}\n')
     runs = demo_runs(config)
     assert [r.name for r in runs] == ["DisCO", "DRPO-0.1", "RLOO-LP-0.2"]
     parsed = {}
