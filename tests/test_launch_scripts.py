@@ -172,6 +172,7 @@ def test_scripts_are_executable(script: Path) -> None:
 def test_env_overrides_and_extra_flags(harness: Harness) -> None:
     model = harness.tmp / "my-model"
     model.mkdir()
+    (model / "config.json").write_text("{}")
     train = harness.tmp / "train.jsonl"
     train.write_text('{"prompt": "p", "label": "1"}\n' * 300)
     run = harness.run(
@@ -309,8 +310,8 @@ def test_head_that_dies_fails_fast(harness: Harness) -> None:
     ("env", "message"),
     [
         ({"GPUS_PER_NODE": "3", "PREFLIGHT": "1"},
-         "invalid training command: python -m drpo_openrlhf.train: error: --rollout.batch_size "
-         "(128 prompts) must be a multiple of the 6 actor ranks"),
+         "invalid training command: python -m drpo_openrlhf.train: error: --train.batch_size "
+         "(256 responses) must be a multiple of the 6 actor ranks"),
         ({"EXTRA_ARGS": "--actor.eps_clip 0.3", "PREFLIGHT": "1"},
          "--actor.eps_clip is not used by DRPO"),
         ({"VLLM_TP": "3"}, "cannot be split into vLLM engines of VLLM_TP=3"),
