@@ -35,9 +35,14 @@ node_ip() {
   printf '%s\n' "$ip"
 }
 
-# `node head IP` / `node worker HEAD_IP:PORT`: runs on one node and blocks while Ray runs there;
-# SIGTERM to `ray start --block` stops this node's Ray processes (teardown below: under Slurm
-# after `ray stop` on every node; never through srun, which answers SIGTERM with SIGKILL).
+# `node head IP` / `node worker HEAD_IP:PORT`: runs on one node while Ray runs there. SIGTERM
+# (teardown below: under Slurm through scancel, never through srun, which answers SIGTERM
+# with SIGKILL) goes to `ray start --block`, which stops the Ray processes it started. Ray's
+# workers, vLLM engines and a job's driver are not among those: they end when they notice
+# their raylet is gone, and a busy one may not. Every process started here carries a marker
+# in its environment, so once `ray start` has ended the ones left on this node are stopped
+# too (what a cgroup-tracking Slurm does when a step ends; proctrack/linuxproc loses them
+# once their raylet is gone and they are re-parented) and no other Ray of the user is touched.
 run_node() {
   local role=$1 address=$2
   local -a args=(--num-gpus="$GPUS_PER_NODE")
@@ -46,12 +51,48 @@ run_node() {
   local -a extra
   read -ra extra <<<"${RAY_START_ARGS:-}"
   if [[ $role == head ]]; then
-    exec ray start --head --node-ip-address="$address" --port="$RAY_PORT" \
-      --dashboard-host="$address" --dashboard-port="$RAY_DASHBOARD_PORT" \
-      "${args[@]}" "${extra[@]}" --block
+    args=(--head --node-ip-address="$address" --port="$RAY_PORT" --dashboard-host="$address"
+      --dashboard-port="$RAY_DASHBOARD_PORT" "${args[@]}")
+  else
+    [[ -n ${NET_IFACE:-} ]] && args=(--node-ip-address="$(node_ip)" "${args[@]}")
+    args=(--address="$address" "${args[@]}")
   fi
-  [[ -n ${NET_IFACE:-} ]] && args=(--node-ip-address="$(node_ip)" "${args[@]}")
-  exec ray start --address="$address" "${args[@]}" "${extra[@]}" --block
+  DRPO_RAY_NODE=$$-${EPOCHREALTIME/[.,]/}
+  export DRPO_RAY_NODE
+  ray start "${args[@]}" "${extra[@]}" --block &
+  local ray_pid=$! rc=0 stopping=0
+  export -n DRPO_RAY_NODE # only Ray's processes carry it, not the sweep's grep and sleep
+  trap 'stopping=1; kill -TERM "$ray_pid" 2>/dev/null || true' TERM INT
+  while kill -0 "$ray_pid" 2>/dev/null; do wait "$ray_pid" || rc=$?; done
+  ((stopping)) && log "$(hostname): ray start ended"
+  stop_marked "DRPO_RAY_NODE=$DRPO_RAY_NODE"
+  ((stopping)) && rc=0 # `ray start --block` exits 1 on the SIGTERM that stops it
+  exit "$rc"
+}
+
+# SIGTERM, then SIGKILL to what is still alive 10 s later, to every process whose environment
+# holds the line $1.
+stop_marked() {
+  local marker=$1 waited
+  local -a pids
+  mapfile -t pids < <(marked_pids "$marker")
+  ((${#pids[@]})) || return 0
+  log "$(hostname): stopping ${#pids[@]} process(es) Ray left behind"
+  kill -TERM "${pids[@]}" 2>/dev/null || true
+  for ((waited = 0; waited < 20; waited++)); do
+    sleep 0.5
+    mapfile -t pids < <(marked_pids "$marker")
+    ((${#pids[@]})) || return 0
+  done
+  log "$(hostname): ${#pids[@]} process(es) still alive after 10 s: SIGKILL"
+  kill -KILL "${pids[@]}" 2>/dev/null || true
+}
+
+# Ids of the processes whose environment holds the line $1: one grep over every process's
+# environment (a zombie's reads as empty; other users' cannot be read, so grep exits 2).
+marked_pids() {
+  { grep -lzxF -- "$1" /proc/[0-9]*/environ 2>/dev/null || true; } |
+    sed 's|^/proc/||; s|/environ$||'
 }
 
 if [[ ${1:-} == node ]]; then
@@ -88,6 +129,8 @@ ZERO_STAGE=${ZERO_STAGE:-3}
 VLLM_TP=${VLLM_TP:-1}
 VLLM_GPU_UTIL=${VLLM_GPU_UTIL:-0.6}
 PACKING=${PACKING:-1}
+COLOCATE=${COLOCATE:-1}
+ATTN_IMPL=${ATTN_IMPL:-flash_attention_2}
 MAX_STEPS=${MAX_STEPS:-1000}
 NUM_EPISODES=${NUM_EPISODES:-}
 SAVE_STEPS=${SAVE_STEPS:-20}
@@ -159,9 +202,28 @@ is_positive "${GPUS_PER_NODE:-}" ||
   die "cannot tell how many GPUs each node has (got '${GPUS_PER_NODE:-}'); set GPUS_PER_NODE"
 world=$((NNODES * GPUS_PER_NODE))
 
-# Every GPU holds one DeepSpeed rank and, time-shared (colocated), a slice of a vLLM engine.
-# The batch arithmetic is checked by the entry point itself (preflight below).
-((world % VLLM_TP == 0)) || die "$world GPUs cannot be split into vLLM engines of VLLM_TP=$VLLM_TP"
+# Colocated (the recipes): every GPU holds one DeepSpeed rank and, time-shared, a slice of a
+# vLLM engine. COLOCATE=0: ACTOR_GPUS_PER_NODE GPUs of each node train, the others generate
+# (also the layout of the CPU pipeline, whose vLLM cannot sleep). The batch arithmetic is
+# checked by the entry point itself (preflight below).
+case $COLOCATE in
+1)
+  actor_gpus_per_node=$GPUS_PER_NODE
+  vllm_gpus=$world
+  placement_args=(--train.colocate_all --vllm.enable_sleep --ds.enable_sleep)
+  ;;
+0)
+  actor_gpus_per_node=${ACTOR_GPUS_PER_NODE:-$((GPUS_PER_NODE / 2))}
+  ((actor_gpus_per_node >= 1 && actor_gpus_per_node < GPUS_PER_NODE)) ||
+    die "COLOCATE=0 needs 1 <= ACTOR_GPUS_PER_NODE < GPUS_PER_NODE=$GPUS_PER_NODE," \
+      "got '$actor_gpus_per_node'"
+  vllm_gpus=$((NNODES * (GPUS_PER_NODE - actor_gpus_per_node)))
+  placement_args=()
+  ;;
+*) die "COLOCATE must be 1 or 0, got '$COLOCATE'" ;;
+esac
+((vllm_gpus % VLLM_TP == 0)) ||
+  die "$vllm_gpus GPUs cannot be split into vLLM engines of VLLM_TP=$VLLM_TP"
 
 # ---------------------------------------------------------------------------------------------
 # Method: DRPO (default), DisCO (DRPO without the length reward), or a shaped-reward baseline
@@ -263,12 +325,11 @@ is_positive "$NUM_EPISODES" || die "NUM_EPISODES must be a positive integer, got
 # ---------------------------------------------------------------------------------------------
 train_args=(
   --actor.model_name_or_path "$MODEL"
-  --actor.num_nodes "$NNODES" --actor.num_gpus_per_node "$GPUS_PER_NODE"
-  --vllm.num_engines "$((world / VLLM_TP))" --vllm.tensor_parallel_size "$VLLM_TP"
-  --vllm.gpu_memory_utilization "$VLLM_GPU_UTIL"
-  --train.colocate_all --vllm.enable_sleep --ds.enable_sleep
+  --actor.num_nodes "$NNODES" --actor.num_gpus_per_node "$actor_gpus_per_node"
+  --vllm.num_engines "$((vllm_gpus / VLLM_TP))" --vllm.tensor_parallel_size "$VLLM_TP"
+  --vllm.gpu_memory_utilization "$VLLM_GPU_UTIL" "${placement_args[@]}"
   --ds.zero_stage "$ZERO_STAGE" --ds.param_dtype bf16
-  --ds.attn_implementation flash_attention_2 --actor.gradient_checkpointing_enable
+  --ds.attn_implementation "$ATTN_IMPL" --actor.gradient_checkpointing_enable
   --data.prompt_dataset "$TRAIN_DATA" "${data_args[@]}"
   --data.input_key prompt --data.label_key label
   --data.apply_chat_template --data.max_len "$((PROMPT_MAX_LEN + MAX_NEW_TOKENS))"
@@ -338,7 +399,8 @@ json_str() {
 runtime_env_vars() {
   local -a names user_names
   local name key value sep=""
-  mapfile -t names < <(compgen -e | grep -E '^(NCCL_|GLOO_|HF_|TRANSFORMERS_|VLLM_|WANDB_)')
+  mapfile -t names < <(compgen -e | grep -E '^(NCCL_|GLOO_|HF_|TRANSFORMERS_|VLLM_|WANDB_)' |
+    grep -vxE 'VLLM_TP|VLLM_GPU_UTIL') # the launcher's own settings, unknown to vLLM
   read -ra user_names <<<"${RAY_ENV_VARS//,/ }"
   printf '{'
   for name in $(printf '%s\n' TOKENIZERS_PARALLELISM PYTHONUNBUFFERED "${names[@]}" \
@@ -405,14 +467,12 @@ teardown() {
 
 # A SIGTERM to an srun client is not forwarded: srun prints "forcing job termination" and
 # slurmd kills the step with SIGKILL, which would leave Ray's processes (raylet, GCS, workers)
-# to whatever the site's process tracking does. So first `ray stop` on every node (Ray's own
-# ordered shutdown: raylet, then the other processes, then the GCS), then SIGTERM to the
-# steps' processes through Slurm (scancel without --full spares this batch shell), which ends
-# each `ray start --block`.
+# to whatever the site's process tracking does. So the SIGTERM goes to the steps' processes
+# through Slurm (scancel without --full spares this batch shell): each `ray start --block`
+# then stops the Ray processes it started, and only those. (`ray stop` would also stop every
+# other Ray of the same user on the node.)
 # shellcheck disable=SC2329  # run by teardown
 stop_slurm_nodes() {
-  timeout "$TEARDOWN_TIMEOUT" srun --overlap --nodes="$NNODES" --ntasks="$NNODES" \
-    --ntasks-per-node=1 ray stop || log "ray stop failed on some node (exit $?)"
   scancel --signal=TERM "$SLURM_JOB_ID" || log "scancel --signal=TERM $SLURM_JOB_ID failed"
 }
 

@@ -1,6 +1,8 @@
 """Shared test set-up: offline, deterministic, no torch.compile."""
 
 import os
+import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,3 +25,25 @@ def float64_default():
     torch.set_default_dtype(torch.float64)
     yield
     torch.set_default_dtype(previous)
+
+
+@pytest.fixture(scope="session")
+def toy(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The demo's quick base policy (about half its rollouts correct) and its data, for the
+    tests that run the real pipeline (``base``: an HF model dir; ``train``/``eval``: jsonl)."""
+    from drpo_openrlhf.demo.run import DemoConfig, make_problems
+    from drpo_openrlhf.demo.sft import train_sft
+    from drpo_openrlhf.demo.toy_model import build_toy_model
+    from drpo_openrlhf.demo.toy_task import sample_traces, write_jsonl
+
+    config = DemoConfig.quick()
+    root = tmp_path_factory.mktemp("toy")
+    train_problems, eval_problems = make_problems(config)
+    init = build_toy_model(root / "init", hidden_size=config.hidden_size, seed=0)
+    traces = sample_traces(random.Random(1), config.task, train_problems)
+    base = train_sft(init, root / "base", traces, config.sft, progress=False)
+    return {
+        "base": base,
+        "train": write_jsonl(train_problems, root / "train.jsonl"),
+        "eval": write_jsonl(eval_problems[:16], root / "eval.jsonl"),
+    }

@@ -257,6 +257,23 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
                 found.append(int(entry.name))
         return found
 
+    def job_processes(self) -> dict[int, str]:
+        """Live processes of jobs (slurmstepd, steps, what they started, Ray's included) by
+        id, with their command lines: every marked process but the daemons (and
+        slurmscriptd, which slurmctld forks)."""
+        daemons = {p.pid for p in self.daemons if p.poll() is None}
+        ctld = {p.pid for p in self.daemons if p.args[0] == "slurmctld"}
+        found = {}
+        for pid in self.marked_processes():
+            try:
+                parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+            except OSError:
+                continue  # ended meanwhile
+            if pid not in daemons and parent not in ctld:
+                found[pid] = cmdline.decode(errors="replace").strip()
+        return found
+
     def stop(self) -> list[int]:
         """Cancel every job, stop the daemons, kill what is left; returns the ids killed last."""
         if self.daemons and all(p.poll() is None for p in self.daemons):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import random
 import subprocess
 import sys
 import time
@@ -20,30 +19,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from drpo_openrlhf.demo.run import DemoConfig, local_ray_cluster, make_problems
-from drpo_openrlhf.demo.sft import train_sft
-from drpo_openrlhf.demo.toy_model import build_toy_model
-from drpo_openrlhf.demo.toy_task import sample_traces, write_jsonl
+from drpo_openrlhf.demo.run import local_ray_cluster
+from drpo_openrlhf.eval.tensorboard_logs import read_scalars
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 LEFTOVER_MARKERS = ("ray::_", "EngineCore", "VLLM::")
-
-
-@pytest.fixture(scope="module")
-def toy(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The demo's quick base policy (about half its rollouts correct) and its data."""
-    config = DemoConfig.quick()
-    root = tmp_path_factory.mktemp("toy")
-    train_problems, eval_problems = make_problems(config)
-    init = build_toy_model(root / "init", hidden_size=config.hidden_size, seed=0)
-    traces = sample_traces(random.Random(1), config.task, train_problems)
-    base = train_sft(init, root / "base", traces, config.sft, progress=False)
-    return {
-        "base": base,
-        "train": write_jsonl(train_problems, root / "train.jsonl"),
-        "eval": write_jsonl(eval_problems[:16], root / "eval.jsonl"),
-    }
 
 
 @pytest.fixture(scope="module")
@@ -101,24 +82,11 @@ def train(toy, out: Path, *flags: str, ray_address: str | None, steps: int = 2):
     return done
 
 
-def scalars(tb_dir: Path) -> dict[str, dict[int, float]]:
-    """Every scalar a run logged: tag -> {step: value}."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    found: dict[str, dict[int, float]] = {}
-    for events in sorted(tb_dir.rglob("events.out.tfevents.*")):
-        accumulator = EventAccumulator(str(events))
-        accumulator.Reload()
-        for tag in accumulator.Tags()["scalars"]:
-            found.setdefault(tag, {}).update({e.step: e.value for e in accumulator.Scalars(tag)})
-    return found
-
-
 def assert_drpo_trained(out: Path, base: Path, steps: int) -> dict[str, dict[int, float]]:
     """What every DRPO run must show: a real update from prompts with both correct and
     incorrect answers, finite objective and KL, vLLM sampling the actor's weights, the
     checkpoints and a final model that differs from the base."""
-    logged = scalars(out / "tb")
+    logged = read_scalars(out / "tb")
     assert sorted(logged["train/drpo/objective"]) == list(range(1, steps + 1))
     assert max(logged["train/drpo/valid_prompt_fraction"].values()) > 0
     for tag in ("train/drpo/objective", "train/drpo/kl", "train/drpo/positive_term"):
@@ -150,7 +118,7 @@ def test_drpo_zero2_with_eval_then_resume_from_its_checkpoint(toy, ray_address, 
     assert "Global step 3:" in resumed.output and "Global step 1:" not in resumed.output
     # DeepSpeed's step-2 checkpoint (weights and optimizer state) and OpenRLHF's client state
     assert "Loading the checkpoint" in resumed.output and "'global_step': 2" in resumed.output
-    assert max(scalars(out / "tb")["train/drpo/rollout_logprob_gap"].values()) < 0.05
+    assert max(read_scalars(out / "tb")["train/drpo/rollout_logprob_gap"].values()) < 0.05
     # the checkpoint carried the DRPO settings: the changed lambda is named
     assert "resuming with DRPO settings" in resumed.output and "'lam': 0.1" in resumed.output
     assert (out / "ckpt" / "_actor" / "global_step3").is_dir()
@@ -186,7 +154,7 @@ def test_rloo_lp_baseline(toy, ray_address, tmp_path):
     flags = ("--shaping.method", "rloo_lp", "--shaping.params", "alpha=0.2")
     done = train(toy, tmp_path, *flags, "--algo.kl.init_coef", "0", ray_address=ray_address)
     assert done.returncode == 0, done.output[-3000:]
-    logged = scalars(tmp_path / "tb")
+    logged = read_scalars(tmp_path / "tb")
     assert sorted(logged["train/rollout/frac_correct_negative_signal"]) == [1, 2]
     assert all(math.isfinite(v) for v in logged["train/policy_loss"].values())
     assert max(logged["train/drpo/rollout_logprob_gap"].values()) < 0.05

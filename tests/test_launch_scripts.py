@@ -136,7 +136,7 @@ def harness(tmp_path, data_dir):
 
 
 def assert_torn_down(run: Run, nodes: set[str]) -> None:
-    assert {c["node"] for c in run.of("ray", "stop")} <= nodes
+    assert run.of("ray", "stop") == []  # it would stop the user's other Ray clusters too
     stopped = run.stopped_nodes()
     assert stopped == nodes, f"Ray still running on {nodes - stopped}"
 

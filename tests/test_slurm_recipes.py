@@ -13,6 +13,7 @@ and checks that no Ray stand-in process and no job step is left.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import socket
 import sys
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+from actor_setup import free_port
 from launch_checks import (
     FAKE_BIN,
     REPO,
@@ -30,6 +32,8 @@ from launch_checks import (
     write_data,
 )
 from slurm_cluster import NODES, SlurmCluster, ensure_installed, missing_reason
+
+from drpo_openrlhf.eval.tensorboard_logs import read_scalars
 
 pytestmark = pytest.mark.slow
 
@@ -135,13 +139,12 @@ def held_back(info: dict, seconds: float) -> bool:
 
 
 def assert_ray_stopped(calls: list[dict], nodes: tuple[str, ...]) -> None:
-    """`ray stop` ran on every node, then each `ray start --block` ended on SIGTERM (not
-    SIGKILL, which is what a SIGTERM to its srun would have brought)."""
-    stops = [i for i, c in enumerate(calls) if c["argv"] == ["stop"]]
-    assert sorted(calls[i]["node"] for i in stops) == sorted(nodes)
-    stopped = [i for i, c in enumerate(calls) if c["argv"] == ["<stopped>"]]
-    assert sorted(calls[i]["node"] for i in stopped) == sorted(nodes)
-    assert max(stops) < min(stopped)
+    """Each node's `ray start --block` ended on SIGTERM (not SIGKILL, which is what a SIGTERM
+    to its srun would have brought), and no `ray stop` ran (it stops every Ray of the user
+    on the node, not only this job's)."""
+    assert [c for c in calls if c["argv"] == ["stop"]] == []
+    stopped = [c["node"] for c in calls if c["argv"] == ["<stopped>"]]
+    assert sorted(stopped) == sorted(nodes)
 
 
 @pytest.mark.parametrize(
@@ -276,3 +279,75 @@ def test_loopback_host_name_asks_for_net_iface(jobs: Jobs) -> None:
     assert info["JobState"] == "FAILED"
     assert "set NET_IFACE to the interface the nodes share" in run.output
     assert run.calls == []
+
+
+def test_real_pipeline_requeues_and_resumes(cluster: SlurmCluster, toy, tmp_path: Path) -> None:
+    """The product as a user starts it, with nothing standing in: `sbatch` of the 1.5B recipe
+    -> real Ray -> `python -m drpo_openrlhf.train` with a vLLM CPU engine and the DeepSpeed
+    actor -> DRPO steps and checkpoints -> USR1 -> teardown and requeue -> the rerun resumes
+    from the checkpoint and finishes; no Ray, vLLM or Slurm process is left. On CPU the
+    recipe runs non-colocated (COLOCATE=0: one fake GPU trains, one generates) with sdpa."""
+    steps = 12  # 1-3 s each: enough that USR1 after the first checkpoint lands mid-run
+    run_dir = tmp_path / "out" / "drpo-1.5b_drpo_lam0.1"
+    ckpt = run_dir / "ckpt" / "_actor"
+    env = {
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{cluster.env()['PATH']}",
+        "PYTHON": sys.executable,
+        "NET_IFACE": "lo",
+        "MODEL": str(toy["base"]),
+        "TRAIN_DATA": str(toy["train"]),
+        "EVAL_DATA": "",
+        "OUTPUT_ROOT": str(tmp_path / "out"),
+        "GPUS_PER_NODE": "2",
+        "COLOCATE": "0",
+        "ATTN_IMPL": "sdpa",
+        "PACKING": "0",  # OpenRLHF packs rows for flash-attn's varlen kernels
+        "VLLM_GPU_UTIL": "0.1",  # on CPU: the share of memory for the KV cache
+        "EXTRA_ARGS": "--vllm.enforce_eager",
+        **dict(ROLLOUT_PROMPTS="4", N_SAMPLES="4", TRAIN_BATCH="16", MICRO_TRAIN_BATCH="8"),
+        **dict(MAX_NEW_TOKENS="64", PROMPT_MAX_LEN="64", TEMPERATURE="1.0", LR="1e-3"),
+        **dict(MAX_STEPS=str(steps), SAVE_STEPS="1"),
+        "RAY_PORT": str(free_port()),
+        "RAY_DASHBOARD_PORT": str(free_port()),
+        "RAY_POLL_INTERVAL": "1",
+        "RAY_WAIT_TIMEOUT": "120",
+    }
+    out = tmp_path / "job.out"
+    submitted = cluster.run(
+        "sbatch", "--parsable", f"--output={out}", str(recipe("1.5b")), **env
+    )  # fmt: skip
+    job_id = submitted.stdout.strip().split(";")[0]
+    try:
+        # USR1 once the first checkpoint is complete (DeepSpeed writes `latest` last)
+        deadline = time.monotonic() + 420
+        while not (ckpt / "latest").exists():
+            assert cluster.job(job_id)["JobState"] in ("PENDING", "RUNNING"), out.read_text()
+            assert time.monotonic() < deadline, "no checkpoint within 7 minutes"
+            time.sleep(0.2)
+        cluster.run("scancel", "--batch", "--signal=USR1", job_id)
+        cluster.wait_job(job_id, lambda i: i["Restarts"] == "1" and held_back(i, 60), timeout=120)
+        first_run = out.read_text()
+        assert cluster.steps() == [] and cluster.job_processes() == {}, first_run
+        cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+        info = cluster.wait_job(job_id, lambda i: i["Restarts"] == "1" and ended(i), timeout=480)
+    finally:
+        print(out.read_text() if out.exists() else "no job output")  # shown if the test failed
+    output = out.read_text()
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), output
+    assert cluster.steps() == [] and cluster.job_processes() == {}
+    assert "forcing job termination" not in output and "Traceback" not in output
+
+    rerun = output[len(first_run) :]
+    trained_first = [k for k in range(1, steps + 1) if f"Global step {k}:" in first_run]
+    assert "received SIGUSR1" in first_run and f"requeueing job {job_id}" in first_run
+    resumed_at = int(rerun.split(f"resuming from {ckpt}/global_step", 1)[1].split()[0])
+    assert 1 <= resumed_at <= max(trained_first), rerun
+    assert f"Global step {resumed_at + 1}:" in rerun and f"Global step {resumed_at}:" not in rerun
+    assert f"Global step {steps}:" in rerun and f"drpo-1.5b_drpo_lam0.1-{job_id}-1" in rerun
+
+    logged = read_scalars(run_dir / "tensorboard")
+    assert sorted(logged["train/drpo/objective"]) == list(range(1, steps + 1))
+    assert all(math.isfinite(v) for v in logged["train/drpo/objective"].values())
+    assert max(logged["train/drpo/rollout_logprob_gap"].values()) < 0.05
+    assert (ckpt / f"global_step{steps}").is_dir()
+    assert (run_dir / "model" / "model.safetensors").is_file()

@@ -376,14 +376,10 @@ MISLED_TAGS = (
 def misled_share(tensorboard_dir: Path) -> float | None:
     """Mean over a run's steps of the share of correct responses given a negative learning
     signal (read back from its tensorboard logs); None if it logged none."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from drpo_openrlhf.eval.tensorboard_logs import read_scalars
 
-    values = []
-    for events in sorted(tensorboard_dir.rglob("events.out.tfevents.*")):
-        accumulator = EventAccumulator(str(events))
-        accumulator.Reload()
-        for tag in set(MISLED_TAGS) & set(accumulator.Tags()["scalars"]):
-            values += [e.value for e in accumulator.Scalars(tag)]
+    logged = read_scalars(tensorboard_dir)
+    values = [v for tag in MISLED_TAGS for v in logged.get(tag, {}).values()]
     return sum(values) / len(values) if values else None
 
 

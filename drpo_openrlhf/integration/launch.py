@@ -67,6 +67,20 @@ def init_cpu_ray(args: dict) -> None:
     )
 
 
+def allow_job_env_overlap() -> None:
+    """Let ``ray.init`` set environment variables that the submitted job's runtime env also
+    sets.
+
+    Under ``ray job submit --runtime-env-json '{"env_vars": {...}}'`` (the Slurm launcher
+    forwards TOKENIZERS_PARALLELISM, users add NCCL_DEBUG) Ray refuses a driver runtime env
+    that names any of the same keys, and OpenRLHF's ``ray.init`` always names three
+    (``RAY_ENV_VARS``): every such job would die before training. Both ``ray.init`` calls
+    read their values from this process's environment, which already holds the job's
+    env_vars, so letting the driver's entries win changes no value.
+    """
+    os.environ.setdefault("RAY_OVERRIDE_JOB_RUNTIME_ENV", "1")
+
+
 def run_openrlhf(openrlhf_argv: list[str], config: DRPOConfig, run: SimpleNamespace) -> None:
     """``python -m openrlhf.cli.train_ppo_ray <openrlhf_argv>`` with DRPO's update, or, when
     ``run.method`` names a baseline, with PPO on shaped rewards; ``run.max_steps`` ends it.
@@ -78,6 +92,7 @@ def run_openrlhf(openrlhf_argv: list[str], config: DRPOConfig, run: SimpleNamesp
     ``args.drpo_run`` travel to every Ray actor inside ``strategy.args``. Without a GPU,
     ``cpu_support`` is enabled here and in every Ray worker.
     """
+    allow_job_env_overlap()
     cpu = not cpu_support.has_gpu()
     if cpu:
         logger.warning("no CUDA device: CPU run (vLLM CPU engines, gloo weight sync)")

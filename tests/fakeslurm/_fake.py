@@ -3,8 +3,8 @@
 Each executable in this directory calls one function here. Every call appends one JSON line
 (program, argv, node, a few environment variables) to $FAKE_LOG, so a test can assert the
 exact commands a launch script ran on which node. A blocking `ray start` registers its GPUs
-in $FAKE_STATE until `ray stop` runs on its node, which is what the fake `ray status` reports;
-it blocks until SIGTERM (recorded as ``<stopped>``). tests/test_launch_scripts.py uses them
+in $FAKE_STATE, which is what the fake `ray status` reports, and blocks until SIGTERM
+(recorded as ``<stopped>``). tests/test_launch_scripts.py uses them
 all; tests/test_slurm_recipes.py uses the `ray` stand-in alone under a real Slurm. Like the
 real ones, srun answers SIGTERM by killing its tasks (SIGKILL) and `scancel --signal=TERM JOB`
 sends SIGTERM to the steps' processes, not to the batch shell. Nothing real is started.
@@ -74,9 +74,12 @@ def _listed(var: str) -> bool:
 
 
 def _block_until_terminated(on_ready, on_term) -> None:
-    """Act like a long-running process: ready only once SIGTERM is handled, so no race."""
+    """Act like a long-running process: ready only once SIGTERM is handled, so no race. A
+    second SIGTERM while stopping (Slurm signals a step's every process, the launcher's node
+    wrapper forwards its own) is ignored, as it is by a process already on its way out."""
 
     def handler(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         on_term()
         sys.exit(0)
 
@@ -180,9 +183,6 @@ def ray(argv: list[str]) -> int:
             record("ray", ["<stopped>"])
 
         _block_until_terminated(register, stopped)
-    if argv == ["stop"]:
-        (state / f"gpus-{node()}").unlink(missing_ok=True)
-        return 0
     if argv[:1] == ["status"]:
         total = _registered(state)
         if not total:
