@@ -18,8 +18,9 @@ the ``Actor`` module; optimizer steps counted by DeepSpeed), DRPO's mode and how
 optimizer steps ran the penalty pass (``drpo/penalty_pass``).
 
 DRPO's time is split into its *scores pass* (no-grad forwards that give the current scores;
-skipped on the first optimizer step of a rollout), the scalar *exchange* (all-gather and
-``loss_coefficients``) and the rest, the *gradient pass*.
+skipped on the first optimizer step of a rollout), the *all-gather* of the scalars, the
+*coefficients* (``loss_coefficients`` and its per-micro-step forms: autograd on the
+scalars) and the rest, the *gradient pass*.
 
     python scripts/bench_actor_update.py                  # tiny Qwen2 on CPU, ~2 min
     python scripts/bench_actor_update.py --ranks 8 --micro-batch 4 --prompts 16 \
@@ -52,6 +53,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import actor_setup  # tests/ holds the set-up shared with the exactness tests
 
 METHODS = ("drpo", "ppo")
+# DRPO's functions that exchange scalars between ranks or differentiate the objective with
+# respect to them, and the bucket of the split their time goes to.
+EXCHANGE = {
+    "all_gather_scalars": "gather",
+    "loss_coefficients": "coefficients",
+    "microstep_coefficients": "coefficients",
+    "group_score_coefficients": "coefficients",
+}
 TAG = "@bench"  # prefix of the worker's messages on its stdout
 MODELS = {
     # Big enough on CPU that matrix products, not Python overhead, dominate a micro-step.
@@ -370,8 +379,8 @@ def run_worker(args: argparse.Namespace) -> None:
                     drpo_module.DRPOActorTrainer, "_scalars", timed(scalars, buckets, no_grad)
                 )
             )
-            for name in ("all_gather_scalars", "loss_coefficients", "microstep_coefficients"):
-                fn = timed(getattr(drpo_module, name), buckets, lambda: "exchange")
+            for name, bucket in EXCHANGE.items():
+                fn = timed(getattr(drpo_module, name), buckets, lambda b=bucket: b)
                 stack.enter_context(mock.patch.object(drpo_module, name, fn))
         send(
             "ready",
@@ -416,6 +425,7 @@ def run_worker(args: argparse.Namespace) -> None:
                     forwards_grad=forwards[True],
                     forwards_no_grad=forwards[False],
                     penalty_pass=status.get("drpo/penalty_pass"),
+                    kl=status.get("drpo/kl"),  # mean over steps: the penalty acts above delta
                 ),
             )
     peaks = dict(peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
@@ -563,8 +573,9 @@ def summarise(result: dict, peak_tflops: float | None) -> dict[str, float]:
 
 
 def drpo_split(result: dict) -> list[str]:
-    """DRPO's median call split into scores pass, exchange and gradient pass, in CPU seconds
-    summed over the ranks on CPU (robust to other load) and rank 0's wall seconds on a GPU."""
+    """DRPO's median call split into scores pass, all-gather, coefficients and gradient pass,
+    in CPU seconds summed over the ranks on CPU (robust to other load) and rank 0's wall
+    seconds on a GPU."""
     clock = "wall" if "gpu" in result["ranks"][0] else "cpu"
     pick = 0 if clock == "wall" else 1
     ranks = [0] if clock == "wall" else range(len(result["ranks"]))
@@ -578,13 +589,16 @@ def drpo_split(result: dict) -> list[str]:
     calls = result["calls"]
     whole = statistics.median(total(c, None) for c in calls)
     scores = statistics.median(total(c, "scores") for c in calls)
-    exchange = statistics.median(total(c, "exchange") for c in calls)
-    grad = whole - scores - exchange
+    gather = statistics.median(total(c, "gather") for c in calls)
+    coefficients = statistics.median(total(c, "coefficients") for c in calls)
+    grad = whole - scores - gather - coefficients
     steps = result["ranks"][0]["optimizer_steps"]
     return [
         f"DRPO split of a ppo_train call ({clock} seconds, medians):",
         f"  scores pass (no-grad forwards, steps 2..{steps}) {scores:8.3f} {scores / whole:6.1%}",
-        f"  exchange (all-gather, coefficients)        {exchange:8.3f} {exchange / whole:6.1%}",
+        f"  all-gather of the scalars                  {gather:8.3f} {gather / whole:6.1%}",
+        f"  coefficients (autograd on the scalars)     {coefficients:8.3f} "
+        f"{coefficients / whole:6.1%}",
         f"  gradient pass (fwd+bwd+optimizer, rest)    {grad:8.3f} {grad / whole:6.1%}",
         f"  scores pass / gradient pass = {scores / grad:.3f} over the call, "
         f"{scores / grad * steps / (steps - 1):.3f} on a step that has one",
