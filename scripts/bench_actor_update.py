@@ -3,15 +3,28 @@
 Both methods train the same model from the same seed on the same synthetic rollout, with the
 same micro-batch size, ZeRO stage, dtype and gradient checkpointing, through OpenRLHF's real
 ``DeepspeedStrategy`` / ``Actor`` / ``ActorPPOTrainer`` (DRPO swaps in ``DRPOActorTrainer``;
-PPO gets GRPO-style group-normalised advantages). Each method runs in its own subprocess, so
-peak memory is per method. On CPU the two take turns, one call each, and CPU seconds are
-reported beside wall seconds: on a shared machine other load inflates wall time, not CPU time.
+PPO gets GRPO-style group-normalised advantages). Each method runs as ``--ranks`` processes
+of its own (data-parallel ranks: gloo on CPU, one GPU each on CUDA), so peak memory is per
+method and rank. PPO's ranks get OpenRLHF's contiguous chunks of the rollout, DRPO's their
+shares under the cross-rank layout, as the two drivers deal them. Before every call the
+old log-probs are recomputed with the current weights, so each call is a fresh rollout step
+(pi_old = the policy, as in training). On CPU the two methods take turns, one call each,
+and CPU seconds are reported beside wall seconds: on a shared machine other load inflates
+wall time, not CPU time.
+
+Per call and method: CPU seconds summed over the ranks and of the slowest rank, peak RSS of
+the largest rank, the actor's forwards per optimizer step (with and without grad, counted on
+the ``Actor`` module; optimizer steps counted by DeepSpeed), DRPO's mode and how many of its
+optimizer steps ran the penalty pass (``drpo/penalty_pass``).
 
 DRPO's time is split into its *scores pass* (no-grad forwards that give the current scores;
-skipped on the first optimizer step of a rollout), the scalar *exchange* (all-gather and
-``loss_coefficients``) and the rest, the *gradient pass*.
+skipped on the first optimizer step of a rollout), the *all-gather* of the scalars, the
+*coefficients* (``loss_coefficients`` and its per-micro-step forms: autograd on the
+scalars) and the rest, the *gradient pass*.
 
     python scripts/bench_actor_update.py                  # tiny Qwen2 on CPU, ~2 min
+    python scripts/bench_actor_update.py --ranks 8 --micro-batch 4 --prompts 16 \
+        --train-batch 32 --num-layers 2 --kl-estimate microstep  # 1.5B recipe layout, gloo
     python scripts/bench_actor_update.py --device cuda    # R1-Distill-Qwen-1.5B shape, bf16
 """
 
@@ -25,11 +38,13 @@ import resource
 import statistics
 import subprocess
 import sys
+import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
+from queue import Queue
 from unittest import mock
 
 import torch
@@ -38,6 +53,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import actor_setup  # tests/ holds the set-up shared with the exactness tests
 
 METHODS = ("drpo", "ppo")
+# DRPO's functions that exchange scalars between ranks or differentiate the objective with
+# respect to them, and the bucket of the split their time goes to.
+EXCHANGE = {
+    "all_gather_scalars": "gather",
+    "loss_coefficients": "coefficients",
+    "microstep_coefficients": "coefficients",
+    "group_score_coefficients": "coefficients",
+}
 TAG = "@bench"  # prefix of the worker's messages on its stdout
 MODELS = {
     # Big enough on CPU that matrix products, not Python overhead, dominate a micro-step.
@@ -114,7 +137,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, help="prompts per rollout")
     p.add_argument("--n", type=int, help="responses per prompt")
     p.add_argument("--train-batch", type=int, help="responses per optimizer step")
-    p.add_argument("--micro-batch", type=int, help="responses per micro-batch")
+    p.add_argument("--micro-batch", type=int, help="responses per micro-batch on one rank")
+    p.add_argument(
+        "--ranks", type=int, default=1, help="data-parallel ranks (processes) per method"
+    )
     p.add_argument("--prompt-len", type=int, nargs=2, metavar=("MIN", "MAX"))
     p.add_argument("--response-len", type=int, nargs=2, metavar=("MIN", "MAX"))
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3))
@@ -128,6 +154,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="DRPO's --drpo.kl_estimate; microstep with a micro-batch that is a multiple of n\n"
         "runs the one-pass update (no scores pass)",
     )
+    p.add_argument("--lr", type=float, default=2e-6, help="actor learning rate (the paper's)")
     p.add_argument("--attn", default="sdpa", help="attn_implementation (e.g. flash_attention_2)")
     p.add_argument("--repeats", type=int, help="timed ppo_train calls, after one warm-up call")
     p.add_argument("--threads", type=int, help="torch CPU threads per worker (0: torch's default)")
@@ -135,6 +162,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     for key, value in DEFAULTS[args.device].items():
         if getattr(args, key) is None:
@@ -142,12 +171,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def worker_argv(args: argparse.Namespace, method: str) -> list[str]:
-    """The command line of the subprocess that times ``method`` with exactly ``args``."""
+def worker_argv(args: argparse.Namespace, method: str, rank: int, port: int) -> list[str]:
+    """The command line of rank ``rank`` of ``method``, timing exactly ``args``."""
     argv = [sys.executable, __file__, "--worker", method, "--device", args.device]
+    argv += ["--rank", str(rank), "--port", str(port)]
     argv += ["--model", args.model, "--attn", args.attn, "--dtype", args.dtype]
-    argv += ["--kl-estimate", args.kl_estimate]
-    for flag in ("prompts", "n", "train_batch", "micro_batch", "zero_stage", "repeats", "threads"):
+    argv += ["--kl-estimate", args.kl_estimate, "--lr", repr(args.lr)]
+    numbers = ("prompts", "n", "train_batch", "micro_batch", "ranks", "zero_stage", "repeats")
+    for flag in (*numbers, "threads"):
         argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     for flag in ("prompt_len", "response_len"):
         argv += [f"--{flag.replace('_', '-')}", *map(str, getattr(args, flag))]
@@ -210,10 +241,10 @@ def openrlhf_flags(args: argparse.Namespace) -> list[str]:
         "--rollout.max_new_tokens": args.response_len[1],
         "--train.batch_size": args.train_batch,
         "--train.micro_batch_size": args.micro_batch,
-        "--actor.num_gpus_per_node": 1,
+        "--actor.num_gpus_per_node": args.ranks,
         "--ds.zero_stage": args.zero_stage,
         "--ds.attn_implementation": args.attn,
-        "--actor.adam.lr": 2e-6,  # the paper's 1.5B settings
+        "--actor.adam.lr": args.lr,
         "--actor.adam.weight_decay": 0.01,
         "--actor.lr_scheduler": "constant",
         "--actor.lr_warmup_ratio": 0,
@@ -301,10 +332,17 @@ def send(kind: str, payload: dict) -> None:
     print(f"{TAG} {kind} {json.dumps(payload)}", flush=True)
 
 
+def count_forwards(actor: torch.nn.Module) -> Counter:
+    """Forwards of ``actor`` from now on, keyed by whether grad was enabled."""
+    counts: Counter = Counter()
+    actor.register_forward_pre_hook(lambda *_: counts.update([torch.is_grad_enabled()]))
+    return counts
+
+
 def run_worker(args: argparse.Namespace) -> None:
-    """Build everything for ``args.worker``, then run one timed ``ppo_train`` per ``run`` line
-    on stdin until ``done``."""
-    actor_setup.set_rank_env(0, 1, actor_setup.free_port(), args.device)
+    """Build everything for rank ``args.rank`` of ``args.worker``, then run one timed
+    ``ppo_train`` per ``run`` line on stdin until ``done``."""
+    actor_setup.set_rank_env(args.rank, args.ranks, args.port, args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     from drpo_openrlhf.algo import DRPOConfig
@@ -319,16 +357,16 @@ def run_worker(args: argparse.Namespace) -> None:
     steps = args.prompts * args.n // args.train_batch
     actor, optim, scheduler = actor_setup.prepare_actor(strategy, model, steps * (args.repeats + 1))
     trainer = actor_setup.ppo_trainer(strategy, actor, optim, scheduler, args.device)
-    if args.worker == "drpo":
+    data = synthetic_rollout(args, MODELS[args.model]["vocab_size"])
+    if args.worker == "drpo":  # dealt as DRPO's experience maker deals it
         trainer.__class__ = drpo_module.DRPOActorTrainer
         trainer.enable_drpo(DRPOConfig(kl_estimate=args.kl_estimate))
-    data = synthetic_rollout(args, MODELS[args.model]["vocab_size"])
-    old = old_log_probs(actor, data, args.micro_batch, args.device)
-    if args.worker == "drpo":  # dealt as DRPO's experience maker deals it (rank 0 of 1)
-        _, info = actor_setup.dealt_share(data["group"], trainer.drpo_layout)
-    else:
-        info = {drpo_module.GROUP_KEY: data["group"]}
-    trainer.replay_buffer.append(actor_setup.experience(data, old, info))
+        positions, info = actor_setup.dealt_share(data["group"], trainer.drpo_layout, args.rank)
+    else:  # OpenRLHF's contiguous chunk
+        count, batch = len(data["group"]), strategy.args.rollout.micro_batch_size
+        positions = actor_setup.openrlhf_share(count, args.ranks, args.rank, batch)
+        info = {drpo_module.GROUP_KEY: data["group"][positions]}
+    data = {k: v[positions] for k, v in data.items()}
 
     buckets: dict[str, list[float]] = {}
     with ExitStack() as stack:
@@ -341,15 +379,17 @@ def run_worker(args: argparse.Namespace) -> None:
                     drpo_module.DRPOActorTrainer, "_scalars", timed(scalars, buckets, no_grad)
                 )
             )
-            for name in ("all_gather_scalars", "loss_coefficients", "microstep_coefficients"):
-                fn = timed(getattr(drpo_module, name), buckets, lambda: "exchange")
+            for name, bucket in EXCHANGE.items():
+                fn = timed(getattr(drpo_module, name), buckets, lambda b=bucket: b)
                 stack.enter_context(mock.patch.object(drpo_module, name, fn))
         send(
             "ready",
             dict(
                 method=args.worker,
+                rank=args.rank,
                 optimizer_steps=steps,
                 mode=getattr(trainer, "drpo_mode", None),
+                responses=len(positions),
                 response_tokens=int(data["action_mask"].sum()),
                 tokens=int(data["attention_mask"].sum()),
                 params=params,
@@ -359,16 +399,35 @@ def run_worker(args: argparse.Namespace) -> None:
         )
         if args.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
+        forwards = count_forwards(actor)
         for command in sys.stdin:
             if command.strip() != "run":
                 break
+            # a new rollout step: pi_old is the current policy (not timed, not counted)
+            old = old_log_probs(actor, data, args.micro_batch, args.device)
+            trainer.replay_buffer.clear()
+            trainer.replay_buffer.append(actor_setup.experience(data, old, info))
             buckets.clear()
+            forwards.clear()
+            stepped = actor.model.global_steps
             start = clocks()
             status = trainer.ppo_train(0.0)
             end = clocks()
             if not math.isfinite(status["policy_loss"]):
                 raise RuntimeError(f"{args.worker}: non-finite policy_loss {status}")
-            send("call", dict(wall=end[0] - start[0], cpu=end[1] - start[1], split=buckets))
+            send(
+                "call",
+                dict(
+                    wall=end[0] - start[0],
+                    cpu=end[1] - start[1],
+                    split=buckets,
+                    optimizer_steps=actor.model.global_steps - stepped,
+                    forwards_grad=forwards[True],
+                    forwards_no_grad=forwards[False],
+                    penalty_pass=status.get("drpo/penalty_pass"),
+                    kl=status.get("drpo/kl"),  # mean over steps: the penalty acts above delta
+                ),
+            )
     peaks = dict(peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     if args.device == "cuda":
         peaks.update(
@@ -381,115 +440,200 @@ def run_worker(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------- parent (report) ----
 
 
-class Worker:
-    """One method's subprocess, driven one ``ppo_train`` call at a time."""
+class Ranks:
+    """The rank processes of some methods, driven one ``ppo_train`` call at a time.
 
-    def __init__(self, args: argparse.Namespace, method: str) -> None:
-        self.method = method
-        self.tail: deque[str] = deque(maxlen=200)  # its last output lines, shown if it fails
+    Their messages arrive on one queue, read by a thread per process: a rank that dies is
+    noticed at once (its peers would wait in a collective forever), and no rank blocks on a
+    full stdout pipe while the parent waits on another."""
+
+    def __init__(self, args: argparse.Namespace, methods: list[str]) -> None:
         env = os.environ | {"TORCHDYNAMO_DISABLE": "1", "HF_HUB_OFFLINE": "1"}
-        self.proc = subprocess.Popen(
-            worker_argv(args, method),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
+        self.messages: Queue = Queue()
+        self.procs: dict[tuple[str, int], subprocess.Popen] = {}
+        self.tails: dict[tuple[str, int], deque[str]] = {}  # last output lines, shown on failure
+        for method in methods:
+            port = actor_setup.free_port()
+            for rank in range(args.ranks):
+                key = (method, rank)
+                self.tails[key] = deque(maxlen=200)
+                self.procs[key] = subprocess.Popen(
+                    worker_argv(args, method, rank, port),
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    env=env,
+                )
+                threading.Thread(target=self._read, args=(key,), daemon=True).start()
 
-    def ask(self, command: str | None, kind: str) -> dict:
-        """Send ``command`` (if any) and wait for the worker's ``kind`` message."""
+    def _read(self, key: tuple[str, int]) -> None:
+        for line in self.procs[key].stdout:
+            if line.startswith(f"{TAG} "):
+                kind, payload = line[len(TAG) + 1 :].split(" ", 1)
+                self.messages.put((key, kind, json.loads(payload)))
+            else:
+                self.tails[key].append(line)
+        self.messages.put((key, "exit", None))
+
+    def ask(self, methods: list[str], command: str | None, kind: str) -> dict[str, list[dict]]:
+        """Send ``command`` (if any) to every rank of ``methods``; their ``kind`` messages, in
+        rank order per method."""
+        keys = [key for key in self.procs if key[0] in methods]
         if command:
-            self.proc.stdin.write(command + "\n")
-            self.proc.stdin.flush()
-        for line in self.proc.stdout:
-            if line.startswith(f"{TAG} {kind} "):
-                return json.loads(line.split(" ", 2)[2])
-            self.tail.append(line)
-        self.proc.wait()
-        sys.stderr.write("".join(self.tail))
-        raise SystemExit(f"the {self.method} worker exited ({self.proc.returncode})")
+            for key in keys:
+                self.procs[key].stdin.write(command + "\n")
+                self.procs[key].stdin.flush()
+        got: dict[tuple[str, int], dict] = {}
+        while len(got) < len(keys):
+            key, got_kind, payload = self.messages.get()
+            if got_kind != kind:
+                self._fail(key)
+            got[key] = payload
+        return {m: [got[key] for key in keys if key[0] == m] for m in methods}
+
+    def _fail(self, key: tuple[str, int]) -> None:
+        for proc in self.procs.values():
+            proc.kill()
+        sys.stderr.write("".join(self.tails[key]))
+        code = self.procs[key].wait()
+        raise SystemExit(f"the {key[0]} worker of rank {key[1]} exited ({code})")
+
+    def wait(self) -> None:
+        for proc in self.procs.values():
+            proc.wait()
 
 
 def measure(args: argparse.Namespace) -> list[dict]:
-    """Each method's static facts, timed calls (warm-up dropped) and peak memory.
+    """Each method's static facts and peak memory per rank, and its timed calls (warm-up
+    dropped), each with the parent's wall seconds and every rank's report.
 
-    On CPU both workers live at once and take turns, one call each, alternating who goes
-    first: a shared machine's changing load then hits both alike. On a GPU they run one
+    On CPU both methods' ranks live at once and take turns, one call each, alternating who
+    goes first: a shared machine's changing load then hits both alike. On a GPU they run one
     after the other, as two resident 1.5B trainers would not fit together."""
     batches = [args.methods] if args.device == "cpu" else [[m] for m in args.methods]
     results = []
     for methods in batches:
-        workers = [Worker(args, m) for m in methods]
-        facts = [w.ask(None, "ready") for w in workers]
+        ranks = Ranks(args, methods)
+        facts = ranks.ask(methods, None, "ready")
         calls: dict[str, list[dict]] = {m: [] for m in methods}
         for turn in range(args.repeats + 1):
-            for w in workers[::-1] if turn % 2 else workers:
-                calls[w.method].append(w.ask("run", "call"))
-        for w, fact in zip(workers, facts, strict=True):
-            results.append(fact | w.ask("done", "result") | {"calls": calls[w.method][1:]})
-            w.proc.wait()
+            for method in methods[::-1] if turn % 2 else methods:
+                start = time.perf_counter()
+                reports = ranks.ask([method], "run", "call")[method]
+                calls[method].append(dict(wall=time.perf_counter() - start, ranks=reports))
+        ends = ranks.ask(methods, "done", "result")
+        ranks.wait()
+        for m in methods:
+            per_rank = [f | e for f, e in zip(facts[m], ends[m], strict=True)]
+            results.append(
+                dict(method=m, mode=per_rank[0]["mode"], ranks=per_rank, calls=calls[m][1:])
+            )
     return results
 
 
 def summarise(result: dict, peak_tflops: float | None) -> dict[str, float]:
-    """The reported quantities of one method (medians over the timed calls)."""
-    wall = statistics.median(c["wall"] for c in result["calls"])
-    steps, tokens = result["optimizer_steps"], result["response_tokens"]
-    row = {"wall s per ppo_train": wall, "wall s per optimizer step": wall / steps}
-    if "gpu" not in result:
-        cpu = statistics.median(c["cpu"] for c in result["calls"])
-        row |= {"CPU s per ppo_train": cpu, "CPU s per optimizer step": cpu / steps}
-        row["response tokens per CPU s"] = tokens / cpu
+    """The reported quantities of one method: medians over the timed calls of sums or maxima
+    over the ranks; forwards per optimizer step over all timed calls, the largest rank's."""
+    calls, ranks = result["calls"], result["ranks"]
+    wall = statistics.median(c["wall"] for c in calls)
+    steps = statistics.median(c["ranks"][0]["optimizer_steps"] for c in calls)
+    tokens = sum(r["response_tokens"] for r in ranks)
+    row = {"wall s per ppo_train": wall}
+    if "gpu" not in ranks[0]:
+        cpu = statistics.median(sum(r["cpu"] for r in c["ranks"]) for c in calls)
+        slowest = statistics.median(max(r["cpu"] for r in c["ranks"]) for c in calls)
+        row |= {"CPU s per ppo_train": cpu, "CPU s, slowest rank": slowest}
+        row |= {"CPU s per optimizer step": cpu / steps, "response tokens per CPU s": tokens / cpu}
     row["response tokens/s"] = tokens / wall
-    row["peak RSS MiB"] = result["peak_rss_mib"]
-    row["RSS growth in update MiB"] = result["peak_rss_mib"] - result["rss_before_mib"]
-    if "gpu" in result:
-        row["peak CUDA alloc GiB"] = result["peak_cuda_gib"]
+    row["peak RSS MiB, max rank"] = max(r["peak_rss_mib"] for r in ranks)
+    row["RSS growth MiB, max rank"] = max(r["peak_rss_mib"] - r["rss_before_mib"] for r in ranks)
+    if "gpu" in ranks[0]:
+        row["peak CUDA GiB, max rank"] = max(r["peak_cuda_gib"] for r in ranks)
         # 6 N FLOP per token for one forward+backward; DRPO's extra no-grad forward is
         # overhead, not model FLOPs, and attention's own FLOPs are left out as usual.
-        tflops = 6 * result["matmul_params"] * result["tokens"] / wall / 1e12
+        all_tokens = sum(r["tokens"] for r in ranks)
+        tflops = 6 * ranks[0]["matmul_params"] * all_tokens / wall / 1e12
         row["model TFLOP/s"] = tflops
         if peak_tflops:
             row["MFU %"] = 100 * tflops / peak_tflops
+    row["optimizer steps per call"] = steps
+    for kind in ("grad", "no_grad"):
+        per_rank = [
+            sum(c["ranks"][r][f"forwards_{kind}"] for c in calls)
+            / sum(c["ranks"][r]["optimizer_steps"] for c in calls)
+            for r in range(len(ranks))
+        ]
+        row[f"forwards/step, {kind.replace('_', ' ')}"] = max(per_rank)
+    if calls[0]["ranks"][0]["penalty_pass"] is not None:  # DRPO's share of steps, per call
+        row["penalty-pass steps per call"] = statistics.mean(
+            c["ranks"][0]["penalty_pass"] * c["ranks"][0]["optimizer_steps"] for c in calls
+        )
     return row
 
 
 def drpo_split(result: dict) -> list[str]:
-    """DRPO's median call split into scores pass, exchange and gradient pass, in CPU seconds
-    on CPU (robust to other load) and wall seconds on a GPU."""
-    clock = "wall" if "gpu" in result else "cpu"
+    """DRPO's median call split into scores pass, all-gather, coefficients and gradient pass,
+    in CPU seconds summed over the ranks on CPU (robust to other load) and rank 0's wall
+    seconds on a GPU."""
+    clock = "wall" if "gpu" in result["ranks"][0] else "cpu"
     pick = 0 if clock == "wall" else 1
+    ranks = [0] if clock == "wall" else range(len(result["ranks"]))
+
+    def total(call: dict, part: str | None) -> float:
+        reports = [call["ranks"][r] for r in ranks]
+        if part is None:
+            return sum(r[clock] for r in reports)
+        return sum(r["split"].get(part, [0.0, 0.0])[pick] for r in reports)
+
     calls = result["calls"]
-    total = statistics.median(c[clock] for c in calls)
-    scores = statistics.median(c["split"].get("scores", [0.0, 0.0])[pick] for c in calls)
-    exchange = statistics.median(c["split"].get("exchange", [0.0, 0.0])[pick] for c in calls)
-    grad = total - scores - exchange
-    steps = result["optimizer_steps"]
+    whole = statistics.median(total(c, None) for c in calls)
+    scores = statistics.median(total(c, "scores") for c in calls)
+    gather = statistics.median(total(c, "gather") for c in calls)
+    coefficients = statistics.median(total(c, "coefficients") for c in calls)
+    grad = whole - scores - gather - coefficients
+    steps = result["ranks"][0]["optimizer_steps"]
     return [
         f"DRPO split of a ppo_train call ({clock} seconds, medians):",
-        f"  scores pass (no-grad forwards, steps 2..{steps}) {scores:8.3f} {scores / total:6.1%}",
-        f"  exchange (all-gather, coefficients)        {exchange:8.3f} {exchange / total:6.1%}",
-        f"  gradient pass (fwd+bwd+optimizer, rest)    {grad:8.3f} {grad / total:6.1%}",
+        f"  scores pass (no-grad forwards, steps 2..{steps}) {scores:8.3f} {scores / whole:6.1%}",
+        f"  all-gather of the scalars                  {gather:8.3f} {gather / whole:6.1%}",
+        f"  coefficients (autograd on the scalars)     {coefficients:8.3f} "
+        f"{coefficients / whole:6.1%}",
+        f"  gradient pass (fwd+bwd+optimizer, rest)    {grad:8.3f} {grad / whole:6.1%}",
         f"  scores pass / gradient pass = {scores / grad:.3f} over the call, "
         f"{scores / grad * steps / (steps - 1):.3f} on a step that has one",
     ]
 
 
-def _mode(results: list[dict]) -> str:
-    return next((r["mode"] for r in results if r.get("mode")), "-")
+def pair_ratios(results: list[dict]) -> list[float]:
+    """DRPO/PPO CPU seconds (all ranks) of each turn's pair of calls: their spread."""
+    calls = {r["method"]: r["calls"] for r in results}
+    return [
+        sum(r["cpu"] for r in d["ranks"]) / sum(r["cpu"] for r in p["ranks"])
+        for d, p in zip(calls["drpo"], calls["ppo"], strict=True)
+    ]
 
 
 def number(value: float) -> str:
     return f"{value:12,.0f}" if abs(value) >= 1000 else f"{value:12.4g}"
 
 
-def report(args: argparse.Namespace, results: list[dict], load: tuple[float, float]) -> str:
-    first = results[0]
-    peak = args.peak_tflops
-    if peak is None and "gpu" in first:
-        peak = next((p for key, p in BF16_PEAK_TFLOPS if key in first["gpu"]), None)
-    rows = {r["method"]: summarise(r, peak) for r in results}
+def gpu_peak(args: argparse.Namespace, results: list[dict]) -> float | None:
+    """The bf16 peak to compute MFU against: ``--peak-tflops``, else the GPU's, if known."""
+    gpu = results[0]["ranks"][0].get("gpu")
+    if args.peak_tflops is not None or gpu is None:
+        return args.peak_tflops
+    return next((p for key, p in BF16_PEAK_TFLOPS if key in gpu), None)
+
+
+def report(
+    args: argparse.Namespace,
+    results: list[dict],
+    rows: dict[str, dict[str, float]],
+    load: tuple[float, float],
+) -> str:
+    first = results[0]["ranks"][0]
+    peak = gpu_peak(args, results)
     both = len(rows) == 2
     device = (
         f"{first['gpu']}, bf16 peak {peak} TFLOP/s"
@@ -498,30 +642,41 @@ def report(args: argparse.Namespace, results: list[dict], load: tuple[float, flo
             f"{os.cpu_count()} CPU cores, load average {load[0]:.1f} before / {load[1]:.1f} after"
         )
     )
+    ranks = results[0]["ranks"]
+    mode = next((r["mode"] for r in results if r["mode"]), "-")
     lines = [
         f"device {args.device} ({device})",
         f"model {args.model}: {first['params'] / 1e6:.1f}M parameters "
         f"({first['matmul_params'] / 1e6:.1f}M without the input embedding)",
         f"rollout {args.prompts} prompts x {args.n} = {args.prompts * args.n} responses, "
-        f"{first['response_tokens']} response / {first['tokens']} total tokens; "
+        f"{sum(r['response_tokens'] for r in ranks)} response / "
+        f"{sum(r['tokens'] for r in ranks)} total tokens; "
         f"{first['optimizer_steps']} optimizer steps of {args.train_batch}, "
-        f"micro-batch {args.micro_batch}",
+        f"{args.ranks} rank(s) x micro-batch {args.micro_batch}",
         f"ZeRO-{args.zero_stage}, {args.dtype}, gradient checkpointing "
         f"{'on' if args.gradient_checkpointing else 'off'}, "
-        f"{'packed' if args.packing else 'padded'}, attn {args.attn}; "
+        f"{'packed' if args.packing else 'padded'}, attn {args.attn}, lr {args.lr:g}; "
         f"median of {args.repeats} calls after 1 warm-up",
-        f"DRPO kl_estimate {args.kl_estimate}: {_mode(results)} update",
+        f"DRPO kl_estimate {args.kl_estimate}: {mode} update",
         "",
-        f"{'':28}" + "".join(f"{m.upper():>12}" for m in rows) + ("    DRPO/PPO" if both else ""),
+        f"{'':32}" + "".join(f"{m.upper():>12}" for m in rows) + ("    DRPO/PPO" if both else ""),
     ]
-    for key in rows[first["method"]]:
-        line = f"{key:28}" + "".join(number(row[key]) for row in rows.values())
-        lines.append(line + (f"{rows['drpo'][key] / rows['ppo'][key]:12.3f}" if both else ""))
+    for key in rows[results[0]["method"]]:
+        line = f"{key:32}" + "".join(number(row.get(key, math.nan)) for row in rows.values())
+        ratio = both and key in rows["ppo"] and key in rows["drpo"] and rows["ppo"][key]
+        lines.append(line + (f"{rows['drpo'][key] / rows['ppo'][key]:12.3f}" if ratio else ""))
+    if both:
+        ratios = pair_ratios(results)
+        lines.append(
+            f"DRPO/PPO CPU s of each turn's pair of calls: {min(ratios):.3f} .. {max(ratios):.3f}"
+        )
     for r in results:
-        calls = ", ".join(f"{c['wall']:.2f}/{c['cpu']:.2f}" for c in r["calls"])
-        lines.append(f"{r['method']} calls, wall/CPU s: {calls}")
+        calls = ", ".join(
+            f"{c['wall']:.2f}/{sum(x['cpu'] for x in c['ranks']):.2f}" for c in r["calls"]
+        )
+        lines.append(f"{r['method']} calls, wall/CPU s (all ranks): {calls}")
     drpo = [r for r in results if r["method"] == "drpo"]
-    if drpo and drpo[0]["optimizer_steps"] > 1:
+    if drpo and first["optimizer_steps"] > 1:
         lines += ["", *drpo_split(drpo[0])]
     return "\n".join(lines)
 
@@ -533,10 +688,13 @@ def main(argv: list[str] | None = None) -> None:
         return
     load_before = os.getloadavg()[0]
     results = measure(args)
-    print(report(args, results, (load_before, os.getloadavg()[0])))
+    rows = {r["method"]: summarise(r, gpu_peak(args, results)) for r in results}
+    print(report(args, results, rows, (load_before, os.getloadavg()[0])))
     if args.json:
         setup = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-        args.json.write_text(json.dumps({"args": setup, "results": results}, indent=2))
+        args.json.write_text(
+            json.dumps({"args": setup, "summary": rows, "results": results}, indent=2)
+        )
 
 
 if __name__ == "__main__":

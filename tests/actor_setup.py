@@ -188,6 +188,16 @@ def experience(
     )
 
 
+def openrlhf_share(count: int, world: int, rank: int, batch_size: int = 1) -> torch.Tensor:
+    """The rollout positions ``rank`` receives from OpenRLHF's stock driver: the rollout cut
+    into experience batches of ``batch_size`` (``--rollout.micro_batch_size``), then the
+    ``rank``-th contiguous chunk of ``ceil(batches / world)`` batches
+    (``async_run_method_batch``). The baseline PPO update trains on this share."""
+    batches = -(-count // batch_size)
+    chunk = -(-batches // world) * batch_size
+    return torch.arange(count)[rank * chunk : (rank + 1) * chunk]
+
+
 def dealt_share(
     group_ids: torch.Tensor, layout, rank: int = 0, allow_partial: bool = False
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
