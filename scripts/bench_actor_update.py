@@ -56,6 +56,7 @@ METHODS = ("drpo", "ppo")
 # DRPO's functions that exchange scalars between ranks or differentiate the objective with
 # respect to them, and the bucket of the split their time goes to.
 EXCHANGE = {
+    "all_gather_counts": "gather",
     "all_gather_scalars": "gather",
     "loss_coefficients": "coefficients",
     "microstep_coefficients": "coefficients",

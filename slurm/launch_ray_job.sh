@@ -40,9 +40,10 @@ node_ip() {
 # with SIGKILL) goes to `ray start --block`, which stops the Ray processes it started. Ray's
 # workers, vLLM engines and a job's driver are not among those: they end when they notice
 # their raylet is gone, and a busy one may not. Every process started here carries a marker
-# in its environment, so once `ray start` has ended the ones left on this node are stopped
-# too (what a cgroup-tracking Slurm does when a step ends; proctrack/linuxproc loses them
-# once their raylet is gone and they are re-parented) and no other Ray of the user is touched.
+# in its environment, so once `ray start` has ended (or been killed after 10 s) the ones left
+# on this node are stopped too (what a cgroup-tracking Slurm does when a step ends;
+# proctrack/linuxproc loses them once they are re-parented), and no other Ray of the user
+# is touched.
 run_node() {
   local role=$1 address=$2
   local -a args=(--num-gpus="$GPUS_PER_NODE")
@@ -60,17 +61,29 @@ run_node() {
   DRPO_RAY_NODE=$$-${EPOCHREALTIME/[.,]/}
   export DRPO_RAY_NODE
   ray start "${args[@]}" "${extra[@]}" --block &
-  local ray_pid=$! rc=0 stopping=0
+  local ray_pid=$! rc=0 stopping=0 waited
   export -n DRPO_RAY_NODE # only Ray's processes carry it, not the sweep's grep and sleep
-  trap 'stopping=1; kill -TERM "$ray_pid" 2>/dev/null || true' TERM INT
-  while kill -0 "$ray_pid" 2>/dev/null; do wait "$ray_pid" || rc=$?; done
-  ((stopping)) && log "$(hostname): ray start ended"
+  # In a Slurm step, scancel's SIGTERM reaches `ray start` itself; a second one would
+  # interrupt its shutdown handler. Locally only this wrapper is signalled.
+  trap 'stopping=1; [[ -n ${SLURM_STEP_ID:-} ]] || kill -TERM "$ray_pid" 2>/dev/null || true' \
+    TERM INT
+  while ((!stopping)) && kill -0 "$ray_pid" 2>/dev/null; do wait "$ray_pid" || rc=$?; done
+  if ((stopping)); then
+    # `ray start` gives each process it started 1 s to exit; bounded here all the same
+    for ((waited = 0; waited < 100; waited++)); do
+      kill -0 "$ray_pid" 2>/dev/null || break
+      sleep 0.1
+    done
+    if kill -KILL "$ray_pid" 2>/dev/null; then
+      log "$(hostname): ray start had not stopped after 10 s: killed it"
+    fi
+    rc=0 # `ray start --block` exits 1 on the SIGTERM that stops it
+  fi
   stop_marked "DRPO_RAY_NODE=$DRPO_RAY_NODE"
-  ((stopping)) && rc=0 # `ray start --block` exits 1 on the SIGTERM that stops it
   exit "$rc"
 }
 
-# SIGTERM, then SIGKILL to what is still alive 10 s later, to every process whose environment
+# SIGTERM, then SIGKILL to what is still alive 5 s later, to every process whose environment
 # holds the line $1.
 stop_marked() {
   local marker=$1 waited
@@ -79,12 +92,12 @@ stop_marked() {
   ((${#pids[@]})) || return 0
   log "$(hostname): stopping ${#pids[@]} process(es) Ray left behind"
   kill -TERM "${pids[@]}" 2>/dev/null || true
-  for ((waited = 0; waited < 20; waited++)); do
+  for ((waited = 0; waited < 10; waited++)); do
     sleep 0.5
     mapfile -t pids < <(marked_pids "$marker")
     ((${#pids[@]})) || return 0
   done
-  log "$(hostname): ${#pids[@]} process(es) still alive after 10 s: SIGKILL"
+  log "$(hostname): ${#pids[@]} process(es) still alive after 5 s: SIGKILL"
   kill -KILL "${pids[@]}" 2>/dev/null || true
 }
 

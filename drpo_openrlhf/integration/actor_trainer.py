@@ -80,11 +80,21 @@ def correctness(scores: Tensor) -> Tensor:
     return scores == 1
 
 
-def all_gather_scalars(local: ResponseScalars) -> tuple[ResponseScalars, int]:
+def all_gather_counts(counts: list[int], device: torch.device) -> list[list[int]]:
+    """``counts`` (one per micro-step) of every rank, ``[micro-step][rank]``: one collective
+    per optimizer step, so that each micro-step's scalars need only one."""
+    local = torch.tensor(counts, device=device)
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, local)
+    return torch.stack(parts, dim=1).tolist()
+
+
+def all_gather_scalars(local: ResponseScalars, counts: list[int]) -> tuple[ResponseScalars, int]:
     """Every rank's scalars, concatenated in rank order, and where this rank's start.
 
-    Ranks may hold different numbers of responses (dynamic batching): counts are exchanged
-    first and the columns padded to the largest count for the collective."""
+    Ranks may hold different numbers of responses (dynamic batching), so every rank's count
+    is given (``all_gather_counts``) and the columns are padded to the largest one for the
+    collective."""
     columns = torch.stack(
         [
             local.score.detach().double(),
@@ -95,13 +105,8 @@ def all_gather_scalars(local: ResponseScalars) -> tuple[ResponseScalars, int]:
             local.microstep.double(),
         ]
     )
-    world = dist.get_world_size()
-    count = torch.tensor([columns.shape[1]], device=columns.device)
-    counts = [torch.empty_like(count) for _ in range(world)]
-    dist.all_gather(counts, count)
-    counts = [int(c) for c in counts]
     padded = F.pad(columns, (0, max(counts) - columns.shape[1]))
-    parts = [torch.empty_like(padded) for _ in range(world)]
+    parts = [torch.empty_like(padded) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, padded)
     merged = torch.cat([p[:, :c] for p, c in zip(parts, counts, strict=True)], dim=1)
     s, kl, tokens, correct, group, micro = merged
@@ -281,6 +286,10 @@ class DRPOActorTrainer(ActorPPOTrainer):
             microstep,
         )
 
+    def _microstep_counts(self, batches: list) -> list[list[int]]:
+        """Every rank's response count of each micro-step, known before any forward."""
+        return all_gather_counts([len(b.info[GROUP_KEY]) for b in batches], self._device())
+
     def _check_whole(self, gathered: ResponseScalars, where: str) -> None:
         counts = gathered.group_id.unique(return_counts=True)[1]
         if (counts != self.drpo_layout.n_samples_per_prompt).any():
@@ -294,7 +303,8 @@ class DRPOActorTrainer(ActorPPOTrainer):
             local = ResponseScalars.concat(
                 [self._scalars(b, j, use_old=policy_is_old) for j, b in enumerate(batches)]
             )
-        gathered, offset = all_gather_scalars(local)
+        counts = all_gather_counts([local.score.numel()], self._device())[0]
+        gathered, offset = all_gather_scalars(local, counts)
         self._check_whole(gathered, "the optimizer step")
         score_coef, kl_coef, metrics = loss_coefficients(gathered, self.drpo, self.drpo_max_len)
         for j, batch in enumerate(batches):
@@ -309,10 +319,11 @@ class DRPOActorTrainer(ActorPPOTrainer):
     ) -> tuple[ResponseScalars, Tensor, dict[str, Tensor]]:
         """Per micro-batch: forward, gather its micro-step's scalars, backward (whole groups)."""
         num_groups = self.drpo_layout.train_batch_size // self.drpo_layout.n_samples_per_prompt
+        counts = self._microstep_counts(batches)
         parts = []
         for j, batch in enumerate(batches):
             r = self._scalars(batch, j, use_old=False)
-            gathered, offset = all_gather_scalars(r)
+            gathered, offset = all_gather_scalars(r, counts[j])
             self._check_whole(gathered, f"micro-step {j}")
             score_coef, kl_coef = microstep_coefficients(
                 gathered, self.drpo, self.drpo_max_len, num_groups, len(batches)
@@ -333,9 +344,10 @@ class DRPOActorTrainer(ActorPPOTrainer):
         num_groups = self.drpo_layout.train_batch_size // self.drpo_layout.n_samples_per_prompt
         parts, where, penalty = [], [], False
         count = len(batches)
+        counts = self._microstep_counts(batches)
         for j, batch in enumerate(batches):
             r = self._scalars(batch, j, use_old=False)
-            gathered, offset = all_gather_scalars(r)
+            gathered, offset = all_gather_scalars(r, counts[j])
             self._check_whole(gathered, f"micro-step {j}")
             base = sum(p.score.numel() for p in parts)
             where.append((base + offset, base + offset + r.score.numel()))
