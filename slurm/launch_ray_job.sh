@@ -80,6 +80,12 @@ run_node() {
     rc=0 # `ray start --block` exits 1 on the SIGTERM that stops it
   fi
   stop_marked "DRPO_RAY_NODE=$DRPO_RAY_NODE"
+  # As `ray stop` does: the head's address file would make a later plain ray.init() on this
+  # node try to join the cluster that is gone.
+  local address_file=${RAY_TMPDIR:-${TMPDIR:-/tmp}}/ray/ray_current_cluster
+  if [[ $role == head && $(cat "$address_file" 2>/dev/null) == "$address:$RAY_PORT" ]]; then
+    rm -f "$address_file"
+  fi
   exit "$rc"
 }
 

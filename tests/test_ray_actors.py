@@ -13,6 +13,7 @@ TESTS = Path(__file__).parent
 def ray_cluster():
     pythonpath = os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
     ray.init(
+        address="local",  # a new cluster, never one a Ray address file on this machine names
         num_cpus=2,
         num_gpus=1,
         include_dashboard=False,

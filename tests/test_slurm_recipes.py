@@ -351,6 +351,10 @@ def test_real_pipeline_requeues_and_resumes(cluster: SlurmCluster, toy, tmp_path
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), output
     assert cluster.steps() == [] and cluster.job_processes() == {}
     assert "forcing job termination" not in output and "Traceback" not in output
+    # Ray's address file, which would make a plain ray.init() try to join the gone cluster
+    tmp = Path(os.environ.get("RAY_TMPDIR", os.environ.get("TMPDIR", "/tmp")))
+    address_file = tmp / "ray" / "ray_current_cluster"
+    assert not address_file.exists() or address_file.read_text() != f"127.0.0.1:{env['RAY_PORT']}"
 
     rerun = output[len(first_run) :]
     assert "Global step 1:" in first_run and "received SIGUSR1" in first_run
