@@ -61,7 +61,7 @@ run_node() {
   DRPO_RAY_NODE=$$-${EPOCHREALTIME/[.,]/}
   export DRPO_RAY_NODE
   ray start "${args[@]}" "${extra[@]}" --block &
-  local ray_pid=$! rc=0 stopping=0 waited
+  local ray_pid=$! rc=0 stopping=0
   export -n DRPO_RAY_NODE # only Ray's processes carry it, not the sweep's grep and sleep
   # In a Slurm step, scancel's SIGTERM reaches `ray start` itself; a second one would
   # interrupt its shutdown handler. Locally only this wrapper is signalled.
@@ -70,10 +70,7 @@ run_node() {
   while ((!stopping)) && kill -0 "$ray_pid" 2>/dev/null; do wait "$ray_pid" || rc=$?; done
   if ((stopping)); then
     # `ray start` gives each process it started 1 s to exit; bounded here all the same
-    for ((waited = 0; waited < 100; waited++)); do
-      kill -0 "$ray_pid" 2>/dev/null || break
-      sleep 0.1
-    done
+    wait_exit 10 "$ray_pid"
     if kill -KILL "$ray_pid" 2>/dev/null; then
       log "$(hostname): ray start had not stopped after 10 s: killed it"
     fi
@@ -87,6 +84,14 @@ run_node() {
     rm -f "$address_file"
   fi
   exit "$rc"
+}
+
+# Waits until the processes $2... have exited or $1 seconds have passed.
+wait_exit() {
+  local deadline=$((SECONDS + $1)) pid
+  for pid in "${@:2}"; do
+    while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.1; done
+  done
 }
 
 # SIGTERM, then SIGKILL to what is still alive 5 s later, to every process whose environment
@@ -469,11 +474,8 @@ teardown() {
   else
     kill -TERM "${node_pids[@]}" 2>/dev/null || true
   fi
-  local deadline=$((SECONDS + TEARDOWN_TIMEOUT)) pid
-  for pid in "${node_pids[@]}"; do
-    while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.1; done
-  done
-  local alive=()
+  wait_exit "$TEARDOWN_TIMEOUT" "${node_pids[@]}"
+  local alive=() pid
   for pid in "${node_pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive+=("$pid"); done
   if ((${#alive[@]})); then
     log "Ray still running after ${TEARDOWN_TIMEOUT}s: killing it"
