@@ -20,6 +20,7 @@ from drpo_openrlhf.algo.length_reward import LENGTH_REWARDS
 from drpo_openrlhf.algo.shaper import GroupRewardShaper
 from drpo_openrlhf.algo.shaping import METHODS
 from drpo_openrlhf.integration import preflight
+from drpo_openrlhf.integration.device import DEVICES
 from drpo_openrlhf.integration.layout import Layout
 from drpo_openrlhf.openrlhf_cli import openrlhf_parser
 
@@ -156,6 +157,13 @@ def add_drpo_arguments(parser: argparse.ArgumentParser) -> None:
         "drpo/rollout_logprob_gap (default %(default)s)",
     )
     g.add_argument(
+        "--drpo.device",
+        choices=DEVICES,
+        default="auto",
+        help="GPU or CPU run; 'auto' asks the Ray cluster whether a process holding one of its "
+        "GPUs sees CUDA, whatever the driver sees (default %(default)s; docs/gpu.md)",
+    )
+    g.add_argument(
         "--drpo.lambda_by_pass_rate",
         action="store_true",
         help="per-prompt lambda / pass_rate (gentler length pressure on hard prompts)",
@@ -287,6 +295,7 @@ def parse(argv: list[str]) -> tuple[DRPOConfig, SimpleNamespace, list[str]]:
         params=getattr(args, "shaping.params"),
         max_steps=max_steps,
         max_logprob_gap=getattr(args, "drpo.max_logprob_gap"),
+        device=getattr(args, "drpo.device"),
     )
     try:
         if method:  # PPO on shaped rewards: OpenRLHF validates its own flags

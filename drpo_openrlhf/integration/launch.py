@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 from drpo_openrlhf.algo import DRPOConfig
 from drpo_openrlhf.integration import cpu_support
+from drpo_openrlhf.integration.device import resolve_mode
 from drpo_openrlhf.openrlhf_cli import TRAIN_MODULE, openrlhf_parser
 
 logger = logging.getLogger(__name__)
@@ -42,9 +43,9 @@ def with_rollout_logprobs(create_vllm_engines):
     return create
 
 
-def init_cpu_ray(args: dict) -> None:
+def init_cpu_ray(args: dict, address: str | None) -> None:
     """Ray for a run without a GPU (``args``: OpenRLHF's flat flags): every worker process
-    installs ``cpu_support`` first. With no cluster to join (no ``RAY_ADDRESS``) a local one
+    installs ``cpu_support`` first. Joins the cluster at ``address``; with none, a local one
     is started whose fake GPUs and CPUs cover OpenRLHF's placement groups (one
     ``{"GPU": 1, "CPU": 1}`` bundle per actor rank and per vLLM engine)."""
     import ray
@@ -53,8 +54,8 @@ def init_cpu_ray(args: dict) -> None:
         "env_vars": {k: os.environ.get(k, v) for k, v in RAY_ENV_VARS.items()},
         "worker_process_setup_hook": "drpo_openrlhf.integration.cpu_support.enable",
     }
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(runtime_env=runtime_env)
+    if address:
+        ray.init(address=address, runtime_env=runtime_env)
         return
     slots = args["actor.num_nodes"] * args["actor.num_gpus_per_node"]
     slots += (args["vllm.num_engines"] or 0) * args["vllm.tensor_parallel_size"]
@@ -89,22 +90,25 @@ def run_openrlhf(openrlhf_argv: list[str], config: DRPOConfig, run: SimpleNamesp
     ``create_vllm_engines`` and ``hierarchize`` at run time, so replacing the module
     attributes before ``runpy`` runs it is enough: its own parsing, validation, placement
     groups, vLLM engines, checkpoints and logging stay untouched. ``args.drpo`` and
-    ``args.drpo_run`` travel to every Ray actor inside ``strategy.args``. Without a GPU,
-    ``cpu_support`` is enabled here and in every Ray worker.
+    ``args.drpo_run`` travel to every Ray actor inside ``strategy.args``. GPU or CPU is decided
+    from the Ray cluster (``device.resolve_mode``, ``--drpo.device``), not from this process;
+    on CPU, ``cpu_support`` is enabled here and in every Ray worker.
     """
     allow_job_env_overlap()
-    cpu = not cpu_support.has_gpu()
-    if cpu:
-        logger.warning("no CUDA device: CPU run (vLLM CPU engines, gloo weight sync)")
-        args = vars(openrlhf_parser().parse_args(openrlhf_argv))
-        ranks = args["actor.num_nodes"] * args["actor.num_gpus_per_node"]
-        try:
+    try:
+        mode, cluster = resolve_mode(run.device)
+        cpu = mode == "cpu"
+        if cpu:
+            args = vars(openrlhf_parser().parse_args(openrlhf_argv))
+            ranks = args["actor.num_nodes"] * args["actor.num_gpus_per_node"]
             cpu_support.check_layout(args["ds.zero_stage"], ranks)
-        except ValueError as error:  # a usage error, answered as argparse does
-            print(f"python -m drpo_openrlhf.train: error: {error}", file=sys.stderr)
-            raise SystemExit(2) from None
+    except ValueError as error:  # DeviceError included: a usage error, answered as argparse does
+        print(f"python -m drpo_openrlhf.train: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if cpu:
+        logger.warning("CPU run: vLLM CPU engines, gloo weight sync (docs/cpu.md)")
         cpu_support.enable()
-        init_cpu_ray(args)
+        init_cpu_ray(args, cluster.address)
 
     import openrlhf.trainer.ray as openrlhf_ray
     import openrlhf.utils.config as openrlhf_config

@@ -1,0 +1,129 @@
+"""GPU run or CPU run, decided from the Ray cluster the run will use, not from the driver.
+
+Under ``ray job submit --entrypoint-num-cpus 1 -- python -m drpo_openrlhf.train`` (the normal
+way on a cluster) the driver process sees no GPU while every worker has one, so
+``torch.cuda.is_available()`` in the driver says nothing about the run. The cluster is asked
+instead: how many GPUs it advertises, and whether a process holding one of them sees a CUDA
+device (a cluster started with ``ray start --num-gpus N`` on a machine without CUDA, as the
+tests, the demo and the Slurm fixture do, advertises GPUs that do not exist).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DEVICES = ("auto", "gpu", "cpu")
+PROBE_TIMEOUT_S = 120.0
+
+
+class DeviceError(ValueError):
+    """``--drpo.device`` contradicts what the cluster offers."""
+
+
+@dataclass(frozen=True)
+class ClusterDevices:
+    """What the run's Ray cluster offers.
+
+    ``address``: the cluster to join (None: ``ray.init`` will start a local one on this
+    machine); ``gpus``: GPU resources it advertises; ``worker_cuda``: whether a process holding
+    one of them sees CUDA (None when it could not be asked: no GPU, or none free in time).
+    """
+
+    address: str | None
+    gpus: float
+    worker_cuda: bool | None
+
+
+def choose_mode(requested: str, found: ClusterDevices) -> tuple[str, str | None]:
+    """``("gpu" | "cpu", warning or None)`` for ``--drpo.device requested`` on ``found``.
+
+    Raises ``DeviceError`` where the request cannot work: GPU asked of a cluster without (real)
+    GPUs, or CPU forced on one whose GPU workers see CUDA (the actor would take the GPUs while
+    the engines took the CPU path)."""
+    if requested not in DEVICES:
+        raise DeviceError(f"--drpo.device must be one of {DEVICES}, got {requested!r}")
+    fake = found.gpus > 0 and found.worker_cuda is False
+    if requested == "gpu":
+        if found.gpus == 0:
+            raise DeviceError("--drpo.device gpu, but the Ray cluster has no GPU resources")
+        if fake:
+            raise DeviceError(
+                f"--drpo.device gpu, but a process holding one of the cluster's {found.gpus:g} "
+                "GPUs sees no CUDA device (GPU resources without GPUs): fix the node's CUDA "
+                "setup, or use --drpo.device cpu"
+            )
+        return "gpu", None
+    if requested == "cpu":
+        if found.gpus > 0 and found.worker_cuda:
+            raise DeviceError(
+                f"--drpo.device cpu, but the cluster's {found.gpus:g} GPUs are real (a process "
+                "holding one sees CUDA): the CPU path cannot run there; drop --drpo.device cpu"
+            )
+        return "cpu", None
+    if found.gpus == 0:
+        return "cpu", None
+    if fake:
+        return "cpu", (
+            f"the Ray cluster advertises {found.gpus:g} GPUs but a process holding one sees no "
+            "CUDA device: treating them as CPU slots (CPU run). Pass --drpo.device gpu to make "
+            "this an error instead"
+        )
+    if found.worker_cuda is None:
+        return "gpu", (
+            f"could not check CUDA on the cluster's {found.gpus:g} GPUs (none free within "
+            f"{PROBE_TIMEOUT_S:g} s): assuming a GPU run"
+        )
+    return "gpu", None
+
+
+def _cuda_in_worker() -> bool:
+    return torch.cuda.is_available()
+
+
+def probe_cluster(timeout_s: float = PROBE_TIMEOUT_S) -> ClusterDevices:
+    """Ask the cluster that ``ray.init()`` would join (``RAY_ADDRESS``, or a running local
+    cluster) what it offers; with none to join, the local cluster OpenRLHF starts is this
+    machine, so its CUDA answers. Leaves Ray shut down, as it found it."""
+    import ray
+    from ray._private.services import canonicalize_bootstrap_address
+
+    address = canonicalize_bootstrap_address(None)
+    if address is None:
+        cuda = torch.cuda.is_available()
+        return ClusterDevices(None, float(torch.cuda.device_count()), cuda if cuda else None)
+    ray.init(address=address, log_to_driver=False)
+    try:
+        gpus = float(ray.cluster_resources().get("GPU", 0))
+        worker_cuda = None
+        if gpus > 0:
+            ref = ray.remote(num_gpus=1, num_cpus=0)(_cuda_in_worker).remote()
+            ready, _ = ray.wait([ref], timeout=timeout_s)
+            if ready:
+                worker_cuda = bool(ray.get(ref))
+            else:
+                ray.cancel(ref, force=True)
+    finally:
+        ray.shutdown()
+    return ClusterDevices(address, gpus, worker_cuda)
+
+
+def resolve_mode(requested: str) -> tuple[str, ClusterDevices]:
+    """Probe the cluster and choose the mode; logs the choice and any warning."""
+    found = probe_cluster()
+    mode, warning = choose_mode(requested, found)
+    if warning:
+        logger.warning(warning)
+    where = found.address or "a local Ray cluster on this machine"
+    logger.warning(
+        "%s run on %s (%g GPU resources; --drpo.device %s)",
+        mode.upper(),
+        where,
+        found.gpus,
+        requested,
+    )
+    return mode, found

@@ -1,0 +1,288 @@
+"""The first run on a GPU node: every check prints PASS or FAIL, any FAIL exits non-zero.
+
+Checks (``--checks`` picks some; docs/gpu.md says what each means and what to do on FAIL):
+  env        torch sees CUDA, flash-attn imports, versions (GPU only)
+  gradient   DRPO's gradient on the device (bf16, flash-attention 2, packed samples) equals the
+             fp64 reference within its measured tolerance, and a corrupted loss does not: the
+             negative control (scripts/smoke_gradient.py)
+  scores / penalty / one-pass
+             ``python -m drpo_openrlhf.train`` on a toy task with mixed rewards (a policy that
+             answers about half its prompts right), one run per update mode of the DRPO actor;
+             on a GPU: ZeRO-3, bf16, flash-attention 2 with packing, the hybrid engine
+             (colocated, vLLM and DeepSpeed sleep). Each must exit 0 having trained on
+             prompts with both right and wrong answers, with finite objective and KL, vLLM
+             sampling the actor's weights, a checkpoint and a final model.
+Without a GPU the same checks run on the CPU path (vLLM CPU, gloo, sdpa, ZeRO-2), which is
+how CI runs the script; ``env`` then only reports.
+
+    python scripts/smoke_gpu.py [--work DIR] [--checks gradient scores ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import smoke_gradient
+
+N = 4  # responses per prompt in the pipeline runs
+RUN_TIMEOUT_S = 1200
+
+
+@dataclass(frozen=True)
+class Outcome:
+    passed: bool
+    detail: str
+
+
+@dataclass(frozen=True)
+class Setup:
+    work: Path
+    gpus: int  # 0: the CPU path
+
+    @property
+    def device(self) -> str:
+        return "cuda" if self.gpus else "cpu"
+
+
+# ----------------------------------------------------------------------------------- checks
+def check_env(setup: Setup) -> Outcome:
+    parts = [f"torch {torch.__version__}"]
+    if not setup.gpus:
+        return Outcome(True, "no CUDA device: CPU path (" + ", ".join(parts) + ")")
+    parts.append(f"CUDA {torch.version.cuda}, {setup.gpus} x {torch.cuda.get_device_name(0)}")
+    try:
+        import flash_attn
+
+        parts.append(f"flash_attn {flash_attn.__version__}")
+    except ImportError as error:
+        return Outcome(False, f"flash_attn does not import ({error}): scripts/install_gpu.sh")
+    return Outcome(True, ", ".join(parts))
+
+
+def check_gradient(setup: Setup) -> Outcome:
+    from drpo_openrlhf.demo.toy_model import build_toy_model
+
+    model = build_toy_model(setup.work / "toy-init", hidden_size=64, seed=0)
+    if setup.gpus:
+        dtype, attn, packing = torch.bfloat16, "flash_attention_2", True
+    else:
+        dtype, attn, packing = torch.float32, "sdpa", False
+    r = smoke_gradient.check_gradient(model, setup.device, dtype, attn, packing)
+    detail = (
+        f"{dtype} {attn}{' packed' if packing else ''}: error {r.error:.3g} "
+        f"(tolerance {r.tolerance:g}), corrupted loss {r.corrupted_error:.3g}"
+    )
+    if r.error > r.tolerance:
+        detail += ": the device's gradient is wrong"
+    elif r.corrupted_error <= r.tolerance:
+        detail += ": the negative control passed, so this check cannot see a wrong gradient"
+    return Outcome(r.passed, detail)
+
+
+# Per update mode of the DRPO actor: (--drpo.kl_estimate, responses per micro-batch, actor
+# ranks: None = one per GPU). Micro-batches of n responses on every rank hold whole groups
+# (penalty pass when the mini-batch KL exceeds delta, or one pass with micro-step KL); n / 2
+# responses on a single rank cannot (scores pass first).
+MODES = {
+    "penalty": ("minibatch", N, None),
+    "one-pass": ("microstep", N, None),
+    "scores": ("minibatch", N // 2, 1),
+}
+
+
+def toy_policy(setup: Setup) -> tuple[Path, Path]:
+    """The demo's quick SFT policy (about half its answers right) and its prompts; built once."""
+    from drpo_openrlhf.demo.run import DemoConfig, make_problems
+    from drpo_openrlhf.demo.sft import train_sft
+    from drpo_openrlhf.demo.toy_model import build_toy_model
+    from drpo_openrlhf.demo.toy_task import sample_traces, write_jsonl
+
+    root = setup.work / "toy"
+    data = root / "train.jsonl"
+    if not (root / "base" / "config.json").exists():
+        config = DemoConfig.quick()
+        problems, _ = make_problems(config)
+        init = build_toy_model(root / "init", hidden_size=config.hidden_size, seed=0)
+        traces = sample_traces(random.Random(1), config.task, problems)
+        train_sft(init, root / "base", traces, config.sft, progress=False)
+        write_jsonl(problems, data)
+    return root / "base", data
+
+
+def pipeline_command(setup: Setup, mode: str, base: Path, data: Path, out: Path) -> list[str]:
+    kl_estimate, micro, ranks = MODES[mode]
+    ranks = ranks or max(setup.gpus, 1)
+    train_batch = N * max(4, ranks)  # a multiple of n and of micro-batch x ranks
+    command = [
+        sys.executable,
+        "-m",
+        "drpo_openrlhf.train",
+        *("--actor.model_name_or_path", str(base), "--data.prompt_dataset", str(data)),
+        *("--data.input_key", "prompt", "--data.label_key", "label", "--data.apply_chat_template"),
+        *("--actor.num_nodes", "1", "--actor.num_gpus_per_node", str(ranks)),
+        *("--vllm.num_engines", str(ranks), "--vllm.tensor_parallel_size", "1"),
+        *("--rollout.batch_size", str(2 * train_batch // N)),
+        *("--rollout.n_samples_per_prompt", str(N), "--rollout.max_new_tokens", "96"),
+        *("--data.max_len", "192", "--train.batch_size", str(train_batch)),
+        *("--train.micro_batch_size", str(micro), "--rollout.micro_batch_size", str(micro)),
+        *("--actor.adam.lr", "1e-3", "--drpo.lam", "0.1", "--drpo.kl_estimate", kl_estimate),
+        *("--drpo.max_steps", "2", "--ckpt.save_steps", "2", "--ckpt.path", str(out / "ckpt")),
+        *("--ckpt.output_dir", str(out / "model"), "--logger.tensorboard_dir", str(out / "tb")),
+    ]
+    if setup.gpus:
+        command += [
+            *("--ds.zero_stage", "3", "--ds.param_dtype", "bf16", "--ds.packing_samples"),
+            *(
+                "--ds.attn_implementation",
+                "flash_attention_2",
+                "--vllm.gpu_memory_utilization",
+                "0.3",
+            ),
+            *("--train.colocate_all", "--vllm.enable_sleep", "--ds.enable_sleep"),
+        ]
+    else:
+        command += [
+            *("--ds.zero_stage", "2", "--ds.attn_implementation", "sdpa"),
+            *("--vllm.enforce_eager", "--vllm.gpu_memory_utilization", "0.1"),
+        ]
+    return command
+
+
+def trained_outcome(out: Path, base: Path) -> Outcome:
+    """What a run must show: real updates from mixed groups, finite numbers, vLLM sampling the
+    actor's weights, the step-2 checkpoint and a final model that moved."""
+    from safetensors.torch import load_file
+
+    from drpo_openrlhf.eval.tensorboard_logs import read_scalars
+
+    logged = read_scalars(out / "tb")
+    problems = []
+    valid = logged.get("train/drpo/valid_prompt_fraction", {})
+    if not valid or max(valid.values()) <= 0:
+        problems.append("no prompt had both right and wrong answers (nothing to learn from)")
+    for tag in ("train/drpo/objective", "train/drpo/kl"):
+        values = logged.get(tag, {})
+        if sorted(values) != [1, 2] or not all(math.isfinite(v) for v in values.values()):
+            problems.append(f"{tag} is {values} (want finite values at steps 1 and 2)")
+    gaps = logged.get("train/drpo/rollout_logprob_gap", {})
+    if not gaps or max(gaps.values()) >= 0.05:
+        problems.append(f"rollout log-prob gap {gaps} (vLLM is not sampling the actor's weights)")
+    if not (out / "ckpt" / "_actor" / "global_step2").is_dir():
+        problems.append("no checkpoint at step 2")
+    final = out / "model" / "model.safetensors"
+    if not final.exists():
+        problems.append("no final model")
+    else:
+        trained, before = load_file(final), load_file(base / "model.safetensors")
+        if all(torch.equal(trained[k].float(), before[k].float()) for k in before):
+            problems.append("the final model equals the base")
+    if problems:
+        return Outcome(False, "; ".join(problems))
+    fraction = max(valid.values())
+    return Outcome(
+        True, f"2 steps, up to {fraction:.0%} of prompts mixed, gap {max(gaps.values()):.3g}"
+    )
+
+
+def pipeline_check(mode: str) -> Callable[[Setup], Outcome]:
+    def check(setup: Setup) -> Outcome:
+        base, data = toy_policy(setup)
+        out = setup.work / f"run-{mode}"
+        log = setup.work / f"run-{mode}.log"
+        clock = time.monotonic()
+        with log.open("w") as sink:
+            done = subprocess.run(
+                pipeline_command(setup, mode, base, data, out),
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                timeout=RUN_TIMEOUT_S,
+            )
+        seconds = time.monotonic() - clock
+        if done.returncode != 0:
+            tail = log.read_text().splitlines()[-5:]
+            return Outcome(False, f"exit {done.returncode} after {seconds:.0f} s ({log}): {tail}")
+        outcome = trained_outcome(out, base)
+        return Outcome(outcome.passed, f"{outcome.detail} ({seconds:.0f} s, log {log})")
+
+    return check
+
+
+CHECKS: dict[str, Callable[[Setup], Outcome]] = {
+    "env": check_env,
+    "gradient": check_gradient,
+    **{mode: pipeline_check(mode) for mode in MODES},
+}
+PIPELINE = set(MODES)
+
+
+# ----------------------------------------------------------------------------------- runner
+def local_ray_cluster(gpus: int) -> str:
+    """A Ray cluster on this node for the runs (their ``RAY_ADDRESS``); without a GPU, two
+    GPU slots that the runs' device probe recognises as CPU ones (docs/gpu.md)."""
+    import ray
+
+    slots = gpus or 2
+    context = ray.init(
+        address="local",
+        num_gpus=slots,
+        num_cpus=max(2 * slots, os.cpu_count() or 1),
+        include_dashboard=False,
+        log_to_driver=False,
+    )
+    return context.address_info["address"]
+
+
+def run_checks(names: list[str], setup: Setup) -> dict[str, Outcome]:
+    results = {}
+    if PIPELINE & set(names):
+        os.environ["RAY_ADDRESS"] = local_ray_cluster(setup.gpus)
+    try:
+        for name in names:
+            try:
+                outcome = CHECKS[name](setup)
+            except Exception as error:  # a crashed check is a FAIL with its reason
+                outcome = Outcome(False, f"{type(error).__name__}: {error}")
+            results[name] = outcome
+            print(f"{'PASS' if outcome.passed else 'FAIL'} {name}: {outcome.detail}", flush=True)
+    finally:
+        if "RAY_ADDRESS" in os.environ:
+            import ray
+
+            ray.shutdown()
+            del os.environ["RAY_ADDRESS"]
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--work", type=Path, help="working directory (default: a new temporary one)")
+    p.add_argument("--checks", nargs="+", choices=list(CHECKS), default=list(CHECKS))
+    p.add_argument("--json", type=Path, help="also write the outcomes here")
+    args = p.parse_args(argv)
+    work = args.work or Path(tempfile.mkdtemp(prefix="drpo-smoke-"))
+    work.mkdir(parents=True, exist_ok=True)
+    setup = Setup(work=work, gpus=torch.cuda.device_count())
+    results = run_checks(args.checks, setup)
+    failed = [name for name, outcome in results.items() if not outcome.passed]
+    if args.json:
+        args.json.write_text(json.dumps({k: vars(v) for k, v in results.items()}, indent=1))
+    print(f"smoke ({setup.device}, {work}): {len(results) - len(failed)} PASS, {len(failed)} FAIL")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

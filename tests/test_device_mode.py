@@ -1,0 +1,116 @@
+"""GPU or CPU run from the Ray cluster, not the driver (``integration/device.py``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from drpo_openrlhf.integration.device import ClusterDevices, DeviceError, choose_mode
+from drpo_openrlhf.tiny_model import build_tiny_model
+
+REAL_GPUS = ClusterDevices("10.0.0.1:6379", 8.0, True)
+FAKE_GPUS = ClusterDevices("127.0.0.1:6379", 2.0, False)
+NO_GPUS = ClusterDevices(None, 0.0, None)
+UNPROBED = ClusterDevices("10.0.0.1:6379", 8.0, None)
+
+
+@pytest.mark.parametrize(
+    ("requested", "found", "mode", "warns"),
+    [
+        # the issue's case: the driver sees no GPU, the cluster's workers do
+        ("auto", REAL_GPUS, "gpu", False),
+        ("auto", NO_GPUS, "cpu", False),
+        ("auto", FAKE_GPUS, "cpu", True),
+        ("auto", UNPROBED, "gpu", True),
+        ("gpu", REAL_GPUS, "gpu", False),
+        ("gpu", UNPROBED, "gpu", False),
+        ("cpu", NO_GPUS, "cpu", False),
+        ("cpu", FAKE_GPUS, "cpu", False),
+    ],
+)
+def test_mode_follows_the_cluster(requested, found, mode, warns):
+    chosen, warning = choose_mode(requested, found)
+    assert chosen == mode
+    assert (warning is not None) == warns
+
+
+@pytest.mark.parametrize(
+    ("requested", "found", "says"),
+    [
+        ("gpu", NO_GPUS, "no GPU resources"),
+        ("gpu", FAKE_GPUS, "sees no CUDA device"),
+        ("cpu", REAL_GPUS, "drop --drpo.device cpu"),
+        ("tpu", NO_GPUS, "must be one of"),
+    ],
+)
+def test_contradictions_are_errors(requested, found, says):
+    with pytest.raises(DeviceError, match=says):
+        choose_mode(requested, found)
+
+
+PROBE = (
+    "import dataclasses, json; from drpo_openrlhf.integration.device import probe_cluster; "
+    "print(json.dumps(dataclasses.asdict(probe_cluster(timeout_s=60))))"
+)
+
+
+@pytest.fixture(scope="module")
+def fake_gpu_cluster():
+    """A local Ray cluster advertising two GPUs on this GPU-less machine, as the tests, the
+    demo and the Slurm fixture start them; yields its address."""
+    import ray
+
+    context = ray.init(
+        address="local", num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False
+    )
+    try:
+        yield context.address_info["address"]
+    finally:
+        ray.shutdown()
+
+
+def _env(address: str) -> dict[str, str]:
+    return {**os.environ, "RAY_ADDRESS": address}
+
+
+@pytest.mark.slow
+def test_probe_asks_a_process_holding_a_gpu(fake_gpu_cluster):
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        env=_env(fake_gpu_cluster),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = ClusterDevices(**json.loads(done.stdout.strip().splitlines()[-1]))
+    assert found.gpus == 2.0 and found.worker_cuda is False
+    assert found.address and found.address.endswith(fake_gpu_cluster.rsplit(":", 1)[-1])
+    assert choose_mode("auto", found)[0] == "cpu"
+
+
+@pytest.mark.slow
+def test_gpu_requested_of_fake_gpus_stops_before_anything_starts(fake_gpu_cluster, tmp_path):
+    model = build_tiny_model(tmp_path / "model")
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"prompt": "1+1=?", "label": "2"}) + "\n")
+    command = [
+        sys.executable,
+        "-m",
+        "drpo_openrlhf.train",
+        *("--actor.model_name_or_path", str(model), "--data.prompt_dataset", str(data)),
+        *("--data.input_key", "prompt", "--data.label_key", "label"),
+        *("--actor.num_nodes", "1", "--actor.num_gpus_per_node", "1", "--vllm.num_engines", "1"),
+        *("--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "4"),
+        *("--train.batch_size", "16", "--train.micro_batch_size", "8"),
+        *("--drpo.device", "gpu"),
+    ]
+    done = subprocess.run(
+        command, env=_env(fake_gpu_cluster), capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "--drpo.device gpu, but a process holding one of the cluster's 2 GPUs" in done.stderr

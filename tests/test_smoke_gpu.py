@@ -1,0 +1,132 @@
+"""``scripts/smoke_gpu.py``: the parts that run without a GPU, and proof that its checks fail
+when what they check is broken."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+import smoke_gpu  # noqa: E402
+import smoke_gradient  # noqa: E402
+
+from drpo_openrlhf import train  # noqa: E402
+from drpo_openrlhf.integration.layout import Layout  # noqa: E402
+from drpo_openrlhf.tiny_model import build_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model_and_data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("smoke")
+    data = root / "train.jsonl"
+    data.write_text(json.dumps({"prompt": "1+1=?", "label": "2"}) + "\n")
+    return build_tiny_model(root / "model"), data
+
+
+def value_of(command: list[str], flag: str) -> str:
+    return command[command.index(flag) + 1]
+
+
+@pytest.mark.parametrize("gpus", [0, 1, 2, 4, 8])
+@pytest.mark.parametrize("mode", list(smoke_gpu.MODES))
+def test_each_mode_is_a_valid_run_of_that_update_mode(mode, gpus, model_and_data, tmp_path):
+    base, data = model_and_data
+    setup = smoke_gpu.Setup(work=tmp_path, gpus=gpus)
+    command = smoke_gpu.pipeline_command(setup, mode, base, data, tmp_path / "out")
+    config, _, _ = train.parse(command[3:])  # what python -m drpo_openrlhf.train accepts
+    ranks = int(value_of(command, "--actor.num_gpus_per_node"))
+    layout = Layout(
+        ranks,
+        smoke_gpu.N,
+        int(value_of(command, "--rollout.batch_size")),
+        int(value_of(command, "--train.batch_size")),
+        int(value_of(command, "--train.micro_batch_size")),
+    )
+    assert layout.groups_fit_micro_steps == (mode != "scores")
+    assert config.kl_estimate == ("microstep" if mode == "one-pass" else "minibatch")
+    gpu_path = {"flash_attention_2", "--ds.packing_samples", "--train.colocate_all"}
+    assert gpu_path <= set(command) if gpus else not gpu_path & set(command)
+    assert value_of(command, "--ds.zero_stage") == ("3" if gpus else "2")
+
+
+def test_gradient_check_passes_on_this_device_and_its_control_is_caught(tmp_path):
+    from drpo_openrlhf.demo.toy_model import build_toy_model
+
+    model = build_toy_model(tmp_path / "toy", hidden_size=64, seed=0)
+    result = smoke_gradient.check_gradient(model, "cpu", torch.float32, "sdpa", packing=False)
+    assert result.passed
+    assert result.error < result.tolerance / 10 and result.corrupted_error > 100 * result.tolerance
+
+
+def test_gradient_check_fails_on_a_wrong_gradient(tmp_path, monkeypatch):
+    """Break what the check guards: the device's gradient off by 1% of its norm."""
+    honest = smoke_gradient.drpo_gradient
+    calls = []
+
+    def off_on_the_device(actor, data, old, group, device):
+        gradient = honest(actor, data, old, group, device)
+        calls.append(1)
+        if len(calls) == 2:  # the device's honest gradient (1: fp64 reference, 3: corrupted)
+            gradient = gradient.clone()
+            gradient[0] += 0.01 * gradient.norm()
+        return gradient
+
+    monkeypatch.setattr(smoke_gradient, "drpo_gradient", off_on_the_device)
+    outcome = smoke_gpu.check_gradient(smoke_gpu.Setup(work=tmp_path, gpus=0))
+    assert not outcome.passed and "gradient is wrong" in outcome.detail
+
+
+def test_a_failed_check_prints_fail_and_exits_non_zero(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(
+        smoke_gpu.CHECKS, "env", lambda setup: smoke_gpu.Outcome(False, "broken on purpose")
+    )
+    monkeypatch.setitem(smoke_gpu.CHECKS, "gradient", lambda setup: smoke_gpu.Outcome(True, "ok"))
+    code = smoke_gpu.main(["--work", str(tmp_path), "--checks", "env", "gradient"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "FAIL env: broken on purpose" in out and "PASS gradient: ok" in out
+    assert "1 PASS, 1 FAIL" in out
+
+
+def test_a_crashing_check_is_a_fail(tmp_path, monkeypatch, capsys):
+    def crash(setup):
+        raise RuntimeError("no device")
+
+    monkeypatch.setitem(smoke_gpu.CHECKS, "env", crash)
+    assert smoke_gpu.main(["--work", str(tmp_path), "--checks", "env"]) == 1
+    assert "FAIL env: RuntimeError: no device" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_cpu_smoke_trains_and_its_check_catches_a_run_that_did_not(tmp_path):
+    """The script as a user runs it (the CPU path): env, gradient and one real pipeline run.
+    Then the run's own check is pointed at a run that trained nothing (its final model as the
+    base) and must fail."""
+    out = tmp_path / "outcomes.json"
+    done = subprocess.run(
+        [
+            *(sys.executable, str(SCRIPTS / "smoke_gpu.py"), "--work", str(tmp_path)),
+            *("--checks", "env", "gradient", "penalty", "--json", str(out)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    outcomes = json.loads(out.read_text())
+    assert all(o["passed"] for o in outcomes.values()) and set(outcomes) == {
+        "env",
+        "gradient",
+        "penalty",
+    }
+    assert "PASS penalty" in done.stdout and "3 PASS, 0 FAIL" in done.stdout
+    run = tmp_path / "run-penalty"
+    untrained = smoke_gpu.trained_outcome(run, run / "model")
+    assert not untrained.passed and "the final model equals the base" in untrained.detail
