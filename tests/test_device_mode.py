@@ -114,3 +114,14 @@ def test_gpu_requested_of_fake_gpus_stops_before_anything_starts(fake_gpu_cluste
     )
     assert done.returncode == 2, done.stderr[-3000:]
     assert "--drpo.device gpu, but a process holding one of the cluster's 2 GPUs" in done.stderr
+
+
+def test_a_cluster_that_is_gone_is_a_clear_error(monkeypatch):
+    """Ray's address file (or RAY_ADDRESS) naming a stopped cluster: the run stops, saying so."""
+    from drpo_openrlhf.integration import device
+
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:9")  # nothing listens on the discard port
+    with pytest.raises(
+        DeviceError, match=r"nothing answers at the Ray cluster address 127\.0\.0\.1:9"
+    ):
+        device.probe_cluster()

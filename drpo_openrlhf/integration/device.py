@@ -11,6 +11,7 @@ tests, the demo and the Slurm fixture do, advertises GPUs that do not exist).
 from __future__ import annotations
 
 import logging
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -81,6 +82,17 @@ def choose_mode(requested: str, found: ClusterDevices) -> tuple[str, str | None]
     return "gpu", None
 
 
+def _listening(address: str, timeout_s: float = 10.0) -> bool:
+    """Whether the cluster's GCS port accepts a connection (``ray.init`` would otherwise retry a
+    dead address for minutes)."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
 def _cuda_in_worker() -> bool:
     return torch.cuda.is_available()
 
@@ -96,6 +108,12 @@ def probe_cluster(timeout_s: float = PROBE_TIMEOUT_S) -> ClusterDevices:
     if address is None:
         cuda = torch.cuda.is_available()
         return ClusterDevices(None, float(torch.cuda.device_count()), cuda if cuda else None)
+    if not _listening(address):
+        raise DeviceError(
+            f"nothing answers at the Ray cluster address {address} (named by RAY_ADDRESS, or by "
+            "the address file of an earlier `ray start` on this node): start that cluster, or "
+            "unset RAY_ADDRESS / run `ray stop` so that the run starts its own"
+        )
     ray.init(address=address, log_to_driver=False)
     try:
         gpus = float(ray.cluster_resources().get("GPU", 0))
