@@ -157,6 +157,14 @@ def add_drpo_arguments(parser: argparse.ArgumentParser) -> None:
         "drpo/rollout_logprob_gap (default %(default)s)",
     )
     g.add_argument(
+        "--drpo.verify_weight_sync",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="after every weight sync, check exactly (per-parameter digests) that each vLLM "
+        "engine holds the weights the actor sent, and stop the run if not (default on; "
+        "docs/launch.md)",
+    )
+    g.add_argument(
         "--drpo.device",
         choices=DEVICES,
         default="auto",
@@ -296,6 +304,7 @@ def parse(argv: list[str]) -> tuple[DRPOConfig, SimpleNamespace, list[str]]:
         max_steps=max_steps,
         max_logprob_gap=getattr(args, "drpo.max_logprob_gap"),
         device=getattr(args, "drpo.device"),
+        verify_weight_sync=getattr(args, "drpo.verify_weight_sync"),
     )
     try:
         if method:  # PPO on shaped rewards: OpenRLHF validates its own flags

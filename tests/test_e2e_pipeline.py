@@ -25,6 +25,10 @@ from drpo_openrlhf.eval.tensorboard_logs import read_scalars
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 LEFTOVER_MARKERS = ("ray::_", "EngineCore", "VLLM::")
+# Every process this pytest run starts (Ray clusters, their workers, vLLM engines) inherits
+# this variable, so other runs on the same machine are not counted as this one's leftovers.
+SESSION_MARK = f"DRPO_TEST_SESSION={os.getpid()}".encode()
+os.environ["DRPO_TEST_SESSION"] = str(os.getpid())
 
 
 @pytest.fixture(scope="module")
@@ -34,14 +38,15 @@ def ray_address():
 
 
 def leftovers() -> list[str]:
-    """Command lines of Ray actor and vLLM engine processes still alive."""
+    """Command lines of this session's Ray actor and vLLM engine processes still alive."""
     found = []
-    for status in Path("/proc").glob("[0-9]*/cmdline"):
+    for proc in Path("/proc").glob("[0-9]*"):
         try:
-            line = status.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            line = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            mine = SESSION_MARK in (proc / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if any(marker in line for marker in LEFTOVER_MARKERS):
+        if mine and any(marker in line for marker in LEFTOVER_MARKERS):
             found.append(line.strip())
     return found
 

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from openrlhf.trainer.ppo_trainer import PPOTrainer
 from openrlhf.trainer.ppo_utils.experience import Experience
 from openrlhf.trainer.ppo_utils.kl_controller import FixedKLController
 from openrlhf.utils.config import hierarchize
@@ -17,6 +18,8 @@ from drpo_openrlhf.integration.shaping import (
     shape_experiences,
 )
 from drpo_openrlhf.openrlhf_cli import openrlhf_parser
+
+OPENRLHF_TRAINER = PPOTrainer.__ray_actor_class__  # the class our trainer extends
 
 N = 4
 LENGTHS = [[30, 10, 50, 20], [5, 40, 25, 60], [12, 12, 70, 8]]
@@ -107,7 +110,7 @@ def test_hapo_history_across_steps_and_checkpoint(monkeypatch):
     trainer.args = first.args
     trainer.args.drpo_run = type("Run", (), {"max_steps": None})()
     saved = {}
-    base = ray_actors._GroupAwarePPOTrainer.__mro__[1]
+    base = OPENRLHF_TRAINER
     monkeypatch.setattr(
         base,
         "save_logs_and_checkpoints",
@@ -140,7 +143,7 @@ def test_max_steps_stops_after_the_checkpoint_of_that_step(monkeypatch):
     trainer.args = trainer.experience_maker.args
     trainer.args.drpo_run = type("Run", (), {"max_steps": 3})()
     trainer.wandb_logger = trainer.tensorboard_logger = None
-    base = ray_actors._GroupAwarePPOTrainer.__mro__[1]
+    base = OPENRLHF_TRAINER
     saved_steps = []
 
     def fake_fit(self, global_step=0):

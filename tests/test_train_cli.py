@@ -260,10 +260,19 @@ def test_bad_baseline_settings_are_usage_errors(extra, message, capsys):
 
 
 def test_main_in_baseline_mode_keeps_openrlhfs_actor(entry_point):
-    from drpo_openrlhf.integration.ray_actors import GroupAwarePPOTrainer
+    """Baselines train with OpenRLHF's PPO update; only the sync check is added to it."""
+    from drpo_openrlhf.integration.ray_actors import (
+        BaselinePolicyModelActor,
+        GroupAwarePPOTrainer,
+        _BaselinePolicyModelActor,
+    )
+    from drpo_openrlhf.integration.sync_check import SentDigestsActor
 
     train.main([*BASE, "--shaping.method", "hapo", "--shaping.params", "w=1"])
-    assert entry_point["actor"] is entry_point["stock_actor"]
+    assert entry_point["actor"] is BaselinePolicyModelActor
+    stock = entry_point["stock_actor"].__ray_actor_class__
+    assert _BaselinePolicyModelActor.__bases__ == (SentDigestsActor, stock)
+    assert "fit" not in vars(_BaselinePolicyModelActor) and "fit" not in vars(SentDigestsActor)
     assert entry_point["trainer"] is GroupAwarePPOTrainer
 
 

@@ -116,8 +116,10 @@ def run_openrlhf(openrlhf_argv: list[str], config: DRPOConfig, run: SimpleNamesp
     from openrlhf.trainer.ray import ppo_actor, vllm_engine
 
     from drpo_openrlhf.integration.ray_actors import (
+        BaselinePolicyModelActor,
         CPURolloutRayActor,
         DRPOPolicyModelActor,
+        GPURolloutRayActor,
         GroupAwarePPOTrainer,
     )
 
@@ -130,10 +132,8 @@ def run_openrlhf(openrlhf_argv: list[str], config: DRPOConfig, run: SimpleNamesp
         return nested
 
     openrlhf_config.hierarchize = hierarchize_with_drpo
-    if not run.method:
-        ppo_actor.PolicyModelActor = DRPOPolicyModelActor
-    if cpu:
-        vllm_engine.RolloutRayActor = CPURolloutRayActor
+    ppo_actor.PolicyModelActor = BaselinePolicyModelActor if run.method else DRPOPolicyModelActor
+    vllm_engine.RolloutRayActor = CPURolloutRayActor if cpu else GPURolloutRayActor
     ppo_trainer.PPOTrainer = GroupAwarePPOTrainer
     openrlhf_ray.create_vllm_engines = with_rollout_logprobs(openrlhf_ray.create_vllm_engines)
     sys.argv = [TRAIN_MODULE, *openrlhf_argv]

@@ -22,6 +22,12 @@ from drpo_openrlhf.integration.actor_trainer import DRPOActorTrainer
 from drpo_openrlhf.integration.cpu_support import CPU_WORKER_EXTENSION
 from drpo_openrlhf.integration.experience import GroupTaggingExperienceMaker
 from drpo_openrlhf.integration.shaping import ShapingExperienceMaker, advantage_signal_stats
+from drpo_openrlhf.integration.sync_check import (
+    SentDigestsActor,
+    SyncReportingEngine,
+    VerifiedSyncTrainer,
+)
+from drpo_openrlhf.integration.vllm_sync_worker import GPU_WORKER_EXTENSION
 
 logger = logging.getLogger(__name__)
 DRPO_STATE, SHAPING_STATE = "drpo", "shaping"  # our keys in OpenRLHF's checkpoint client state
@@ -39,7 +45,11 @@ def warn_if_settings_changed(saved: dict | None, config: DRPOConfig) -> bool:
     return bool(changed)
 
 
-class _DRPOPolicyModelActor(ppo_actor.PolicyModelActor.__ray_actor_class__):
+class _BaselinePolicyModelActor(SentDigestsActor, ppo_actor.PolicyModelActor.__ray_actor_class__):
+    """OpenRLHF's actor (baselines' PPO update) whose weight syncs are checked."""
+
+
+class _DRPOPolicyModelActor(SentDigestsActor, ppo_actor.PolicyModelActor.__ray_actor_class__):
     def init_model_from_pretrained(self, strategy, *args, **kwargs):
         super().init_model_from_pretrained(strategy, *args, **kwargs)
         config = DRPOConfig(**vars(strategy.args.drpo))
@@ -99,7 +109,7 @@ class _MaxStepsReached(Exception):
     """Raised after the checkpoint of the last step to leave OpenRLHF's episode loops."""
 
 
-class _GroupAwarePPOTrainer(ppo_trainer.PPOTrainer.__ray_actor_class__):
+class _GroupAwarePPOTrainer(VerifiedSyncTrainer, ppo_trainer.PPOTrainer.__ray_actor_class__):
     """Installs the experience-maker hook: group tags for DRPO, reward shaping for baselines;
     keeps the shaper's state (HAPO's history) in OpenRLHF's checkpoints; stops the run after
     ``--drpo.max_steps`` rollout steps."""
@@ -155,7 +165,7 @@ class _GroupAwarePPOTrainer(ppo_trainer.PPOTrainer.__ray_actor_class__):
         return states
 
 
-class _CPURolloutRayActor(vllm_engine.RolloutRayActor.__ray_actor_class__):
+class _CPURolloutRayActor(SyncReportingEngine, vllm_engine.RolloutRayActor.__ray_actor_class__):
     """OpenRLHF's vLLM engine actor with the CPU worker extension (``cpu_support``)."""
 
     async def __init__(self, *args, **kwargs):
@@ -163,6 +173,16 @@ class _CPURolloutRayActor(vllm_engine.RolloutRayActor.__ray_actor_class__):
         await super().__init__(*args, **kwargs)
 
 
+class _GPURolloutRayActor(SyncReportingEngine, vllm_engine.RolloutRayActor.__ray_actor_class__):
+    """OpenRLHF's vLLM engine actor whose workers record and digest each weight sync."""
+
+    async def __init__(self, *args, **kwargs):
+        kwargs["worker_extension_cls"] = GPU_WORKER_EXTENSION
+        await super().__init__(*args, **kwargs)
+
+
 DRPOPolicyModelActor = ray.remote(num_gpus=1)(_DRPOPolicyModelActor)
+BaselinePolicyModelActor = ray.remote(num_gpus=1)(_BaselinePolicyModelActor)
 CPURolloutRayActor = ray.remote(_CPURolloutRayActor)
+GPURolloutRayActor = ray.remote(_GPURolloutRayActor)
 GroupAwarePPOTrainer = ray.remote(_GroupAwarePPOTrainer)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from vllm.model_executor.layers import utils as vllm_layer_utils
 
 from drpo_openrlhf.integration.cpu_support import GlooBroadcastGroup
+from drpo_openrlhf.integration.vllm_sync_worker import WeightSyncRecorder
 
 
 def _live_linear(layer: torch.nn.Module, remove_weight: bool) -> None:
@@ -28,10 +29,11 @@ def _live_linear(layer: torch.nn.Module, remove_weight: bool) -> None:
 vllm_layer_utils.dispatch_cpu_unquantized_gemm = _live_linear
 
 
-class CPUWorkerWrap:
+class CPUWorkerWrap(WeightSyncRecorder):
     """OpenRLHF's ``WorkerWrap`` calls for CPU engines: its own allocates the received weight
     with ``device="cuda"`` (``trainer/ray/vllm_worker_wrap.py: update_weight``; the run hangs
-    there) and joins an NCCL group; this one receives on the worker's device over gloo."""
+    there) and joins an NCCL group; this one receives on the worker's device over gloo. Each
+    sync is checked exactly (``WeightSyncRecorder``)."""
 
     def init_process_group(
         self,

@@ -1,0 +1,83 @@
+"""The weight-sync guard (``--drpo.verify_weight_sync``) against syncs broken on purpose, through
+``python -m drpo_openrlhf.train`` with real vLLM CPU engines (``test_e2e_pipeline.train``).
+
+The breakage lives only in the tests: ``tests/sync_break_site`` on ``PYTHONPATH`` replaces the
+CPU worker's ``update_weight`` when ``DRPO_TEST_SYNC_BREAK`` names a breakage per engine
+(``sync_breakage.py``). Each run starts its own Ray cluster so its workers inherit both.
+Every breakage must stop the run with the guard's message; with the guard off, the same
+breakages run to the end (exit 0), so it is the guard that stops them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_e2e_pipeline import train
+
+from drpo_openrlhf.eval.tensorboard_logs import read_scalars
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+SITE = Path(__file__).parent / "sync_break_site"
+SKIPPED = "model.layers.0.self_attn.o_proj.weight"
+RENAMED = ("model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight")
+# engine 0: one tensor skipped, one loaded under the wrong name; engine 1 loads nothing
+ONE_STEP_BREAKS = {"0": {"skip": SKIPPED, "rename": RENAMED}, "1": {"nothing": True}}
+GUARD = "weight sync check failed"
+
+
+def broken_run(toy, out: Path, monkeypatch, breaks: dict, *flags: str, steps: int):
+    monkeypatch.setenv("DRPO_TEST_SYNC_BREAK", json.dumps(breaks))
+    monkeypatch.setenv("PYTHONPATH", str(SITE))
+    return train(toy, out, *flags, ray_address=None, steps=steps)
+
+
+def test_skipped_renamed_and_unloaded_tensors_stop_the_run(toy, tmp_path, monkeypatch):
+    done = broken_run(
+        toy, tmp_path, monkeypatch, ONE_STEP_BREAKS, "--vllm.num_engines", "2", steps=2
+    )
+    assert done.returncode != 0
+    out = done.output
+    assert f"{GUARD} after rollout step 1" in out, out[-3000:]
+    engine0, engine1 = out.split("engine 0 of 2:")[1].split("engine 1 of 2:")
+    assert f"'{SKIPPED}' was sent but not loaded" in engine0
+    assert f"vLLM parameter '{SKIPPED}' was not loaded by this sync" in engine0
+    assert f"'{RENAMED[1]}' was loaded 2 times" in engine0
+    assert f"'{RENAMED[0]}' was sent but not loaded" in engine0
+    assert "was sent but not loaded" in engine1 and "and " in engine1  # every tensor, cut
+    assert "Global step 2:" not in out
+
+
+def test_an_engine_one_sync_behind_stops_the_run(toy, tmp_path, monkeypatch):
+    done = broken_run(toy, tmp_path, monkeypatch, {"0": {"lag": True}}, steps=2)
+    assert done.returncode != 0
+    out = done.output
+    assert "of the sync before loaded" in out  # the first sync was whole, the second lagged
+    assert f"{GUARD} after rollout step 2" in out, out[-3000:]
+    assert "engine 0 of 1:" in out and "holds other values than the actor sent" in out
+
+
+def test_without_the_guard_the_same_breakages_run_through(toy, tmp_path, monkeypatch):
+    """The control: every breakage above at once, guard off, log-prob limit out of the way;
+    the run ends normally. Its ``drpo/rollout_logprob_gap`` is the stale-policy gap
+    docs/cpu.md reports."""
+    breaks = {"0": {**ONE_STEP_BREAKS["0"], "lag": True}, "1": {"nothing": True}}
+    done = broken_run(
+        toy,
+        tmp_path,
+        monkeypatch,
+        breaks,
+        *("--vllm.num_engines", "2", "--no-drpo.verify_weight_sync"),
+        *("--drpo.max_logprob_gap", "100"),
+        steps=3,
+    )
+    assert done.returncode == 0, done.output[-3000:]
+    breaks_seen = [line for line in done.output.splitlines() if "SYNC BREAK:" in line]
+    for marker in ("not loaded", "loaded as", "of the sync before loaded"):
+        assert any(marker in line for line in breaks_seen), marker
+    assert GUARD not in done.output
+    gaps = read_scalars(tmp_path / "tb")["train/drpo/rollout_logprob_gap"]
+    print("stale-policy rollout_logprob_gap per step:", gaps)
+    assert sorted(gaps) == [1, 2, 3]
