@@ -151,10 +151,10 @@ def add_drpo_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--drpo.max_logprob_gap",
         type=float,
-        default=0.5,
+        default=0.05,
         help="stop the run when vLLM's rollout token log-probs differ from the actor's by more "
-        "than this many nats on average (a broken weight sync); logged as "
-        "drpo/rollout_logprob_gap (default %(default)s)",
+        "than this many nats on average (a stale or broken weight sync); logged as "
+        "drpo/rollout_logprob_gap (default %(default)s: docs/cpu.md says how it was set)",
     )
     g.add_argument(
         "--drpo.verify_weight_sync",

@@ -10,12 +10,14 @@ breakages run to the end (exit 0), so it is the guard that stops them.
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
 import pytest
 from test_e2e_pipeline import train
 
+from drpo_openrlhf import train as entry_point
 from drpo_openrlhf.eval.tensorboard_logs import read_scalars
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -26,6 +28,15 @@ RENAMED = ("model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.
 # engine 0: one tensor skipped, one loaded under the wrong name; engine 1 loads nothing
 ONE_STEP_BREAKS = {"0": {"skip": SKIPPED, "rename": RENAMED}, "1": {"nothing": True}}
 GUARD = "weight sync check failed"
+
+
+def _default_gap_limit() -> float:
+    parser = argparse.ArgumentParser()
+    entry_point.add_drpo_arguments(parser)
+    return parser.get_default("drpo.max_logprob_gap")
+
+
+DEFAULT_GAP_LIMIT = _default_gap_limit()
 
 
 def broken_run(toy, out: Path, monkeypatch, breaks: dict, *flags: str, steps: int):
@@ -60,9 +71,10 @@ def test_an_engine_one_sync_behind_stops_the_run(toy, tmp_path, monkeypatch):
 
 
 def test_without_the_guard_the_same_breakages_run_through(toy, tmp_path, monkeypatch):
-    """The control: every breakage above at once, guard off, log-prob limit out of the way;
-    the run ends normally. Its ``drpo/rollout_logprob_gap`` is the stale-policy gap
-    docs/cpu.md reports."""
+    """The control: every breakage above at once, guard off, the log-prob limit out of the
+    way: the run ends normally, so it is the guard that stops them. The stale policy's
+    ``drpo/rollout_logprob_gap`` crosses the default ``--drpo.max_logprob_gap`` by step 3
+    (measured here: 0.0013, 0.04-0.08, 0.11; docs/cpu.md), so the second signal would too."""
     breaks = {"0": {**ONE_STEP_BREAKS["0"], "lag": True}, "1": {"nothing": True}}
     done = broken_run(
         toy,
@@ -81,3 +93,4 @@ def test_without_the_guard_the_same_breakages_run_through(toy, tmp_path, monkeyp
     gaps = read_scalars(tmp_path / "tb")["train/drpo/rollout_logprob_gap"]
     print("stale-policy rollout_logprob_gap per step:", gaps)
     assert sorted(gaps) == [1, 2, 3]
+    assert gaps[1] < DEFAULT_GAP_LIMIT < max(gaps[2], gaps[3])
