@@ -52,6 +52,8 @@ DRPO_DEFAULTS: dict[str, list[str]] = {
     "--actor.lr_warmup_ratio": ["0"],
     # the authors' rollout temperature (scores use logits / temperature, as in OpenRLHF)
     "--rollout.temperature": ["0.6"],
+    # fp32 gradient accumulation, as released; ZeRO-3 honours it, ZeRO-2 does not (docs/gpu.md)
+    "--ds.grad_accum_dtype": ["fp32"],
 }
 
 # OpenRLHF flags that have no meaning for DRPO or break its groups: (flag, what to do instead)
@@ -229,7 +231,11 @@ def baseline_defaults(method: str) -> dict[str, list[str]]:
     """The paper's estimator for each baseline (RLOO for RLOO-LP, GRPO otherwise) and the
     math reward; everything else stays OpenRLHF's (set clip, KL, ... per the paper's recipes)."""
     estimator = "rloo" if method == "rloo_lp" else "group_norm"
-    return {"--algo.advantage.estimator": [estimator], "--reward.remote_url": [MATH_REWARD]}
+    return {
+        "--algo.advantage.estimator": [estimator],
+        "--reward.remote_url": [MATH_REWARD],
+        "--ds.grad_accum_dtype": ["fp32"],
+    }
 
 
 def with_defaults(argv: list[str], defaults: dict[str, list[str]]) -> list[str]:
