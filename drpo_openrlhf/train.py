@@ -167,6 +167,14 @@ def add_drpo_arguments(parser: argparse.ArgumentParser) -> None:
         "docs/launch.md)",
     )
     g.add_argument(
+        "--drpo.logprob_chunk_tokens",
+        type=int,
+        default=1024,
+        help="compute the DRPO actor's token log-probs this many tokens at a time, so a "
+        "micro-batch's full fp32 logits never exist at once (0: OpenRLHF's unchunked forward; "
+        "default %(default)s: docs/launch.md, Memory plan)",
+    )
+    g.add_argument(
         "--drpo.device",
         choices=DEVICES,
         default="auto",
@@ -311,6 +319,7 @@ def parse(argv: list[str]) -> tuple[DRPOConfig, SimpleNamespace, list[str]]:
         max_logprob_gap=getattr(args, "drpo.max_logprob_gap"),
         device=getattr(args, "drpo.device"),
         verify_weight_sync=getattr(args, "drpo.verify_weight_sync"),
+        logprob_chunk_tokens=getattr(args, "drpo.logprob_chunk_tokens"),
     )
     try:
         if method:  # PPO on shaped rewards: OpenRLHF validates its own flags

@@ -22,12 +22,14 @@ class Case:
     kl_estimate: str = "minibatch"
     dynamic: bool = False  # dynamic batching: groups scattered over ranks, token budgets
     short: int = 0  # responses missing at the end of the last rank (an episode's last rollout)
+    chunk: int = 0  # --drpo.logprob_chunk_tokens (0: OpenRLHF's unchunked forward)
 
     @property
     def name(self) -> str:
         packed = "packed" if self.packing else "padded"
         batching = "dynamic" if self.dynamic else f"micro{self.micro_batch_size}"
-        return f"zero{self.zero_stage}-{batching}-{packed}-{self.kl_estimate}-short{self.short}"
+        name = f"zero{self.zero_stage}-{batching}-{packed}-{self.kl_estimate}-short{self.short}"
+        return name + (f"-chunk{self.chunk}" if self.chunk else "")
 
 
 def layout(case: Case, world: int):
@@ -194,6 +196,7 @@ def dynamic_microsteps(case: Case, world: int, lengths: torch.Tensor, step: torc
 def run_rank(rank: int, world: int, port: int, cases: list[Case], out_dir: str) -> None:
     """One data-parallel rank: OpenRLHF strategy + actor + trainer, DRPO's ppo_train."""
     actor_setup.set_rank_env(rank, world, port)
+    from drpo_openrlhf.integration import chunked_actor
     from drpo_openrlhf.integration.actor_trainer import DRPOActorTrainer
 
     data = rollout()
@@ -202,6 +205,7 @@ def run_rank(rank: int, world: int, port: int, cases: list[Case], out_dir: str) 
         local, info = rank_share(case, rank, world)
         strategy = actor_setup.setup_strategy(openrlhf_args(case, world), "fp32")
         actor, optim, scheduler = actor_setup.prepare_actor(strategy, tiny_model())
+        chunked_actor.install(actor, case.chunk)
         trainer = actor_setup.ppo_trainer(strategy, actor, optim, scheduler)
         trainer.__class__ = DRPOActorTrainer
         trainer.enable_drpo(drpo_config(case))

@@ -2,7 +2,8 @@
 single-process reference: same weights after the rollout's optimizer steps, for ZeRO 0/2/3,
 several micro-batch sizes, packed and padded samples, dynamic batching with groups spread over
 ranks, a short last rollout, one, two and four data-parallel ranks (groups dealt across them
-as in the released code: rank r holds response r of every prompt when ranks = n)."""
+as in the released code: rank r holds response r of every prompt when ranks = n), with the
+log-probs computed in chunks (``--drpo.logprob_chunk_tokens``) or not."""
 
 import pytest
 import torch
@@ -29,6 +30,8 @@ CASES = {
         Case(3, 16),
         Case(2, 2, packing=True),
         Case(2, 8, kl_estimate="microstep"),
+        Case(0, 4, chunk=5),  # chunks of 5 tokens, not dividing the padded rows
+        Case(3, 2, packing=True, chunk=7),
     ],
     2: [
         Case(2, 1),  # 2 rows per global micro-step cannot hold a group: scores pass
@@ -42,6 +45,8 @@ CASES = {
         Case(2, 1, packing=True, dynamic=True, kl_estimate="microstep"),
         Case(2, 1, dynamic=True),  # ZeRO-2 accumulates over dynamic micro-batches
         Case(2, 2, short=6),
+        Case(3, 8, packing=True, chunk=3),  # ZeRO-3 gathers lm_head for every chunk
+        Case(2, 1, packing=True, dynamic=True, kl_estimate="microstep", chunk=16),
     ],
     4: [  # rank r holds response r of every prompt (W = n), as in the released code
         Case(2, 1, kl_estimate="microstep"),

@@ -18,6 +18,7 @@ from openrlhf.trainer.ray import ppo_actor, vllm_engine
 from drpo_openrlhf.algo import DRPOConfig
 from drpo_openrlhf.algo.logprob_gap import logprob_gap, pooled_gap
 from drpo_openrlhf.algo.shaper import GroupRewardShaper
+from drpo_openrlhf.integration import chunked_actor
 from drpo_openrlhf.integration.actor_trainer import DRPOActorTrainer
 from drpo_openrlhf.integration.cpu_support import CPU_WORKER_EXTENSION
 from drpo_openrlhf.integration.experience import GroupTaggingExperienceMaker
@@ -52,6 +53,7 @@ class _BaselinePolicyModelActor(SentDigestsActor, ppo_actor.PolicyModelActor.__r
 class _DRPOPolicyModelActor(SentDigestsActor, ppo_actor.PolicyModelActor.__ray_actor_class__):
     def init_model_from_pretrained(self, strategy, *args, **kwargs):
         super().init_model_from_pretrained(strategy, *args, **kwargs)
+        chunked_actor.install(self.actor, strategy.args.drpo_run.logprob_chunk_tokens)
         config = DRPOConfig(**vars(strategy.args.drpo))
         # Swap the class rather than building a second trainer: the constructor opened the
         # vLLM weight-sync group, which must exist exactly once.
