@@ -11,7 +11,7 @@ export TORCHDYNAMO_DISABLE := 1
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv test lint format clean demo
+.PHONY: venv test lint format clean demo gpu-env
 
 venv: $(STAMP)
 
@@ -40,6 +40,10 @@ test: lint
 # DRPO vs a length-penalised baseline on a toy task through python -m drpo_openrlhf.train, CPU only (docs/demo.md).
 demo: $(STAMP)
 	$(PY) -m drpo_openrlhf.demo
+
+# The GPU environment on a CUDA node, in .venv-gpu/ (docs/gpu.md; VENV_GPU=DIR for another).
+gpu-env:
+	bash scripts/install_gpu.sh --venv $(or $(VENV_GPU),.venv-gpu)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
