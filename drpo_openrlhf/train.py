@@ -19,7 +19,7 @@ from drpo_openrlhf.algo.config import KL_ESTIMATES, PENALTY_FORMS
 from drpo_openrlhf.algo.length_reward import LENGTH_REWARDS
 from drpo_openrlhf.algo.shaper import GroupRewardShaper
 from drpo_openrlhf.algo.shaping import METHODS
-from drpo_openrlhf.integration import preflight
+from drpo_openrlhf.integration import memory_plan, preflight
 from drpo_openrlhf.integration.device import DEVICES
 from drpo_openrlhf.integration.layout import Layout
 from drpo_openrlhf.openrlhf_cli import openrlhf_parser
@@ -175,6 +175,15 @@ def add_drpo_arguments(parser: argparse.ArgumentParser) -> None:
         "default %(default)s: docs/launch.md, Memory plan)",
     )
     g.add_argument(
+        "--drpo.gpu_memory_gib",
+        type=float,
+        default=memory_plan.DEFAULT_CAPACITY_GIB,
+        help="memory of one GPU; the run is refused when its estimated peak needs more than "
+        f"{round(100 * (1 - memory_plan.HEADROOM))}%% of it (0: no check; default "
+        "%(default).1f, an 80 GB "
+        "card: docs/launch.md, Memory plan)",
+    )
+    g.add_argument(
         "--drpo.device",
         choices=DEVICES,
         default="auto",
@@ -270,6 +279,18 @@ def refuse_unsafe_dynamic_batching(args: argparse.Namespace) -> None:
         )
 
 
+def refuse_entropy_with_chunks(args: argparse.Namespace) -> None:
+    """An entropy bonus needs every position's full logits, which chunked log-probs never
+    hold (``integration/chunked_actor.py``)."""
+    if getattr(args, "actor.entropy_coef") is not None and getattr(
+        args, "drpo.logprob_chunk_tokens"
+    ):
+        raise ValueError(
+            "--actor.entropy_coef needs the full logits: add --drpo.logprob_chunk_tokens 0 "
+            "(OpenRLHF's unchunked forward; check the memory plan, docs/launch.md)"
+        )
+
+
 def check_inputs(args: argparse.Namespace) -> None:
     """Model, reward file and local datasets, before anything starts (``preflight``)."""
     preflight.check_model(getattr(args, "actor.model_name_or_path"))
@@ -325,17 +346,24 @@ def parse(argv: list[str]) -> tuple[DRPOConfig, SimpleNamespace, list[str]]:
         if method:  # PPO on shaped rewards: OpenRLHF validates its own flags
             GroupRewardShaper(method, getattr(args, "rollout.n_samples_per_prompt"), **run.params)
             refuse_unsafe_dynamic_batching(args)
+            refuse_entropy_with_chunks(args)
             config = drpo_config(args)
         else:
             config = validate(args, parser)
         check_inputs(args)
+        memory = memory_plan.check(args)
     except ValueError as error:  # LayoutError included
         parser.error(str(error))
+    run.memory_plan = memory.table() if memory else None
     return config, run, with_defaults(openrlhf_args_of(argv), defaults)
 
 
 def main(argv: list[str] | None = None) -> None:
     config, run, openrlhf_argv = parse(list(sys.argv[1:] if argv is None else argv))
+    if run.memory_plan:
+        print(f"Estimated peak GPU memory (docs/launch.md, Memory plan):\n{run.memory_plan}")
+    else:
+        print("No GPU memory estimate: --drpo.gpu_memory_gib 0, or no config.json for the model")
     from drpo_openrlhf.integration.launch import run_openrlhf
 
     run_openrlhf(openrlhf_argv, config, run)

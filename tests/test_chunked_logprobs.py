@@ -159,10 +159,21 @@ def test_actor_no_grad_scoring_matches():
     assert (got - expected).abs().max().item() < VALUE_TOL
 
 
+def test_return_output_gives_the_same_log_probs_and_the_models_output():
+    """OpenRLHF's PPO update (the baselines) asks for the output to read its MoE aux_loss."""
+    data = rollout()
+    model = actor(True, 6)
+    expected = actor_log_probs(model, data)
+    got, output = model(
+        data["sequences"], data["action_mask"], data["attention_mask"], return_output=True
+    )
+    assert torch.equal(got, expected)
+    assert output["logits"].shape[1] == 0  # no position's logits were computed
+
+
 @pytest.mark.parametrize(
     ("kwargs", "named"),
     [
-        ({"return_output": True}, "return_output"),
         ({"return_entropy": True, "return_output": True}, "return_entropy"),
         ({"ring_attn_group": object()}, "ring attention"),
         ({"pixel_values": torch.zeros(1)}, "multimodal"),
@@ -180,5 +191,5 @@ def test_unsupported_calls_refused(kwargs, named):
 def test_install_zero_leaves_openrlhfs_forward_and_negative_is_refused():
     model = actor(False, 0)
     assert type(model) is Actor
-    with pytest.raises(ValueError, match="--drpo.logprob_chunk_tokens"):
+    with pytest.raises(ValueError, match=r"--drpo\.logprob_chunk_tokens"):
         chunked_actor.install(model, -1)

@@ -8,8 +8,10 @@ untouched) but is asked for no logits (``logits_to_keep`` = no position); its de
 hidden states are caught by a forward hook, and the output layer is then called once more as
 a module, its forward swapped for the chunked log-probs for that one call.
 
-Only what DRPO calls is supported: action log-probs of padded or packed samples. Anything
-else (entropy, full outputs, ring attention, multimodal inputs) is refused, not silently
+Only what DRPO and OpenRLHF's PPO update (the baselines) call is supported: action log-probs
+of padded or packed samples, with the model's output when asked (``return_output``: the PPO
+update reads only its MoE ``aux_loss``; its ``logits`` hold no position). Anything else
+(entropy, all-gathered logits, ring attention, multimodal inputs) is refused, not silently
 computed unchunked.
 """
 
@@ -46,7 +48,6 @@ class ChunkedLogProbActor(Actor):
     ) -> Tensor:
         unsupported = {
             "action_mask=None": action_mask is None,
-            "return_output": return_output,
             "return_entropy": return_entropy,
             "allgather_logits": allgather_logits,
             "ring attention": ring_attn_group is not None,
@@ -68,18 +69,19 @@ class ChunkedLogProbActor(Actor):
             position_ids = attention_mask.long().cumsum(-1) - 1
             position_ids.masked_fill_(attention_mask == 0, 1)
             mask = attention_mask
-        hidden = self._last_hidden_states(sequences, mask, position_ids)
+        hidden, output = self._last_hidden_states(sequences, mask, position_ids)
         log_probs = self._log_probs(hidden, labels)
         if self.packing_samples:
             log_probs = gather_and_pad_tensor(log_probs, None, pad_len, indices, batch, seqlen)
         log_probs = log_probs[:, :-1]
-        return log_probs[:, -action_mask.shape[1] :] * action_mask.float()
+        action_log_probs = log_probs[:, -action_mask.shape[1] :] * action_mask.float()
+        return (action_log_probs, output) if return_output else action_log_probs
 
     def _last_hidden_states(
         self, sequences: Tensor, attention_mask: Tensor | None, position_ids: Tensor
-    ) -> Tensor:
+    ) -> tuple[Tensor, dict]:
         """The decoder's output (after its final norm) from the model's own forward, which
-        computes logits for no position."""
+        computes logits for no position, and that forward's output."""
         caught: list[Tensor] = []
 
         def catch(_module, _inputs, output) -> None:
@@ -100,7 +102,7 @@ class ChunkedLogProbActor(Actor):
                 f"the model's decoder ran {len(caught)} times and it returned logits for "
                 f"{output['logits'].shape[1]} positions; expected once and none ({OFF_HINT})"
             )
-        return caught[0]
+        return caught[0], output
 
     def _log_probs(self, hidden: Tensor, labels: Tensor) -> Tensor:
         """Chunked log-probs inside one call of the output projection module, so that ZeRO-3

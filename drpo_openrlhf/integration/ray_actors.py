@@ -47,7 +47,12 @@ def warn_if_settings_changed(saved: dict | None, config: DRPOConfig) -> bool:
 
 
 class _BaselinePolicyModelActor(SentDigestsActor, ppo_actor.PolicyModelActor.__ray_actor_class__):
-    """OpenRLHF's actor (baselines' PPO update) whose weight syncs are checked."""
+    """OpenRLHF's actor (baselines' PPO update) whose weight syncs are checked and whose
+    log-probs are computed in chunks, as DRPO's."""
+
+    def init_model_from_pretrained(self, strategy, *args, **kwargs):
+        super().init_model_from_pretrained(strategy, *args, **kwargs)
+        chunked_actor.install(self.actor, strategy.args.drpo_run.logprob_chunk_tokens)
 
 
 class _DRPOPolicyModelActor(SentDigestsActor, ppo_actor.PolicyModelActor.__ray_actor_class__):

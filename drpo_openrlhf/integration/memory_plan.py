@@ -1,0 +1,281 @@
+"""Peak GPU memory of a run, estimated from its flags before anything starts.
+
+A recipe that cannot fit fails an hour into its first job (after Ray, vLLM and the model
+load) with a CUDA out-of-memory error that names no flag. This estimate runs in the entry
+point's parser, on the login node, and refuses such a setting naming the flag to change.
+
+It is an upper-bound style estimate per GPU of the hybrid engine's three phases, from the
+model's shape and the run's flags; each term is listed with its formula in docs/launch.md
+("Memory plan"), with the assumptions that were not measured on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+GIB = 2**30
+# An 80 GB H100/A100 as nvidia-smi reports it: 81,559 MiB.
+DEFAULT_CAPACITY_GIB = 81559 / 1024
+# Assumed, not measured here (docs/launch.md): allocator fragmentation and what the listed
+# terms miss take at most this share of the card.
+HEADROOM = 0.10
+CUDA_CONTEXT_GIB = 1.0  # per process: CUDA context, cuBLAS workspace, NCCL communicators
+VLLM_ASLEEP_GIB = 2.0  # a sleeping vLLM engine: its context and CUDA-graph pool
+# DeepSpeed's defaults, which OpenRLHF's "auto" values fall back to (config_utils drops them).
+REDUCE_BUCKET = 5e8
+PREFETCH_BUCKET = 5e7
+ADAM_BYTES = 12  # fp32 master weight, first and second moments
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What memory depends on in a decoder-only transformer."""
+
+    hidden: int
+    layers: int
+    intermediate: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    tied: bool
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def layer_params(self) -> int:
+        kv = 2 * self.kv_heads * self.head_dim * self.hidden
+        norms = 2 * self.hidden
+        return 2 * self.hidden * self.hidden + kv + 3 * self.hidden * self.intermediate + norms
+
+    @property
+    def params(self) -> int:
+        embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
+        return embeddings + self.layers * self.layer_params + self.hidden  # + final norm
+
+    @property
+    def token_layer_elements(self) -> int:
+        """Activations one token keeps through one layer: norms, q, k, v, attention output,
+        o-projection, gate, up, activation product, down-projection."""
+        return 6 * self.hidden + 2 * self.kv_heads * self.head_dim + 3 * self.intermediate
+
+    @classmethod
+    def from_config(cls, config: dict) -> ModelShape:
+        return cls(
+            hidden=config["hidden_size"],
+            layers=config["num_hidden_layers"],
+            intermediate=config["intermediate_size"],
+            vocab=config["vocab_size"],
+            heads=config["num_attention_heads"],
+            kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
+            tied=bool(config.get("tie_word_embeddings", False)),
+        )
+
+
+# The recipes' models, from their published config.json, so that the plan works on a login
+# node that has not downloaded them.
+KNOWN_SHAPES = {
+    "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B": ModelShape(1536, 28, 8960, 151936, 12, 2, False),
+    "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B": ModelShape(3584, 28, 18944, 152064, 28, 4, False),
+    "deepseek-ai/DeepSeek-R1-Distill-Llama-8B": ModelShape(4096, 32, 14336, 128256, 32, 8, False),
+}
+
+
+def model_shape(name: str) -> ModelShape | None:
+    """The shape from a local model's config.json, the Hugging Face cache, or the recipes'
+    table; None when none has it or the config is not a decoder's."""
+    config = Path(name).expanduser() / "config.json"
+    if not config.is_file():
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(name, "config.json") if name.count("/") == 1 else None
+        config = Path(cached) if isinstance(cached, str) else None
+    if config is None:
+        return KNOWN_SHAPES.get(name)
+    try:
+        return ModelShape.from_config(json.loads(config.read_text()))
+    except (KeyError, TypeError, ValueError):  # not a decoder's config: no estimate
+        return None
+
+
+@dataclass(frozen=True)
+class Term:
+    """One consumer of a phase's memory, and the flag that shrinks it."""
+
+    name: str
+    gib: float
+    flag: str
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    terms: tuple[Term, ...]
+
+    @property
+    def gib(self) -> float:
+        return sum(t.gib for t in self.terms)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    phases: tuple[Phase, ...]
+    capacity_gib: float
+
+    @property
+    def limit_gib(self) -> float:
+        return self.capacity_gib * (1 - HEADROOM)
+
+    def problems(self) -> list[str]:
+        """One message per phase that does not fit, naming its largest terms' flags."""
+        out = []
+        for phase in self.phases:
+            if phase.gib <= self.limit_gib:
+                continue
+            largest = sorted(phase.terms, key=lambda t: -t.gib)[:2]
+            advice = "; ".join(f"{t.name} {t.gib:.1f} GiB: {t.flag}" for t in largest)
+            out.append(
+                f"the {phase.name} phase needs ~{phase.gib:.1f} GiB per GPU, over "
+                f"{self.limit_gib:.1f} GiB ({1 - HEADROOM:.0%} of --drpo.gpu_memory_gib "
+                f"{self.capacity_gib:.1f}). Largest: {advice} (docs/launch.md, Memory plan)"
+            )
+        return out
+
+    def table(self) -> str:
+        """Markdown: one column per phase, GiB per term."""
+        names = list(dict.fromkeys(t.name for p in self.phases for t in p.terms))
+        rows = [
+            "| per GPU, GiB | " + " | ".join(p.name for p in self.phases) + " |",
+            "|---|" + "---:|" * len(self.phases),
+        ]
+        for name in names:
+            cells = [next((f"{t.gib:.1f}" for t in p.terms if t.name == name), "") for p in self]
+            rows.append(f"| {name} | " + " | ".join(cells) + " |")
+        rows.append("| **total** | " + " | ".join(f"**{p.gib:.1f}**" for p in self) + " |")
+        return "\n".join(rows)
+
+    def __iter__(self):
+        return iter(self.phases)
+
+
+def _arg(args: argparse.Namespace, name: str):
+    return getattr(args, name)
+
+
+def plan(args: argparse.Namespace, shape: ModelShape, capacity_gib: float) -> MemoryPlan:
+    """The three phases of a run per actor GPU: generation (vLLM awake), scoring the rollout
+    (old log-probs, the reference's), and the training micro-step."""
+    world = _arg(args, "actor.num_nodes") * _arg(args, "actor.num_gpus_per_node")
+    zero = _arg(args, "ds.zero_stage")
+    width = 2 if _arg(args, "ds.param_dtype") in ("bf16", "fp16") else 4
+    fp32_accum = _arg(args, "ds.grad_accum_dtype") == "fp32" and zero != 2  # ZeRO-2 ignores it
+    chunk = _arg(args, "drpo.logprob_chunk_tokens")
+    colocated = _arg(args, "train.colocate_all")
+    p, h, v = shape.params, shape.hidden, shape.vocab
+    gib = lambda n: n / GIB  # noqa: E731
+
+    zero3_flag = "--ds.zero_stage 3 shards it over the actor GPUs"
+    if zero == 3:
+        live = max(v * h, shape.layer_params) + PREFETCH_BUCKET
+        weights = Term("weights", gib(width * (p / world + live)), "more actor GPUs")
+    else:
+        weights = Term("weights", gib(width * p), zero3_flag)
+    grad_width = 4 if fp32_accum else width
+    grad_elems = p / world + REDUCE_BUCKET if zero >= 2 else p + (p / world if zero == 1 else 0)
+    grads = Term("gradients", gib(grad_width * grad_elems), zero3_flag)
+    optimizer = Term(
+        "optimizer (Adam fp32)",
+        0.0 if _arg(args, "ds.adam_offload") else gib(ADAM_BYTES * p / (world if zero else 1)),
+        "--ds.adam_offload" + (", or more actor GPUs" if zero else ", or --ds.zero_stage >= 1"),
+    )
+    resident = [Term("CUDA context", CUDA_CONTEXT_GIB, "")]
+    if colocated:
+        resident.append(Term("vLLM asleep", VLLM_ASLEEP_GIB, ""))
+    has_ref = _arg(args, "algo.kl.init_coef") > 0 and not _arg(args, "ref.offload")
+    if has_ref and colocated:
+        ref_elems = p / world if zero == 3 else p
+        resident.append(Term("reference weights", gib(width * ref_elems), "--ref.offload"))
+
+    max_len = _arg(args, "data.max_len")
+    if _arg(args, "train.dynamic_batch_enable"):
+        train_tokens = _arg(args, "train.max_tokens_per_gpu")
+        score_tokens = _arg(args, "rollout.max_tokens_per_gpu") or train_tokens
+        train_flag, score_flag = "--train.max_tokens_per_gpu", "--rollout.max_tokens_per_gpu"
+    else:
+        train_tokens = _arg(args, "train.micro_batch_size") * max_len
+        score_tokens = _arg(args, "rollout.micro_batch_size") * max_len
+        train_flag, score_flag = "--train.micro_batch_size", "--rollout.micro_batch_size"
+    chunk_flag = "--drpo.logprob_chunk_tokens 1024 computes them in chunks"
+    if chunk:
+        # bf16 logits, their fp32 copy and the logits' gradient in bf16, for one chunk; the
+        # output layer's fp32 gradient sum (training only).
+        score_logits = Term("logits", gib(chunk * v * 6), "--drpo.logprob_chunk_tokens")
+        train_logits = Term("logits", gib(chunk * v * 8 + 4 * v * h), "--drpo.logprob_chunk_tokens")
+    else:
+        # OpenRLHF's Actor.forward: bf16 logits, fp32 copy (+ its gradient in fp32 and bf16).
+        score_logits = Term("logits", gib(score_tokens * v * 6), chunk_flag)
+        train_logits = Term("logits", gib(train_tokens * v * 12), chunk_flag)
+
+    if has_ref:  # OpenRLHF's reference model scores unchunked, after the actor
+        ref_logits = gib(score_tokens * v * 6)
+        if ref_logits > score_logits.gib:
+            score_logits = Term(
+                "logits", ref_logits, f"{score_flag} (the reference model's are not chunked)"
+            )
+    layer = shape.token_layer_elements * width
+    if _arg(args, "actor.gradient_checkpointing_enable"):
+        kept = shape.layers * h * width + 2 * layer  # layer inputs + one recomputed layer
+        act_flag = train_flag
+    else:
+        kept = shape.layers * 2 * layer
+        act_flag = "--actor.gradient_checkpointing_enable"
+    model_state = [weights, grads, optimizer]
+    phases = [
+        Phase(
+            "scoring",
+            (
+                *resident,
+                *model_state,
+                Term("activations", gib(score_tokens * layer), score_flag),
+                score_logits,
+            ),
+        ),
+        Phase(
+            "training",
+            (
+                *resident,
+                *model_state,
+                Term("activations", gib(train_tokens * kept), act_flag),
+                train_logits,
+            ),
+        ),
+    ]
+    if colocated:
+        asleep = _arg(args, "ds.enable_sleep")
+        actor = [Term("CUDA context", CUDA_CONTEXT_GIB, "")]
+        if not asleep:
+            actor += [t for t in model_state if t.gib]
+        vllm = _arg(args, "vllm.gpu_memory_utilization") * capacity_gib
+        actor.append(Term("vLLM", vllm, "--vllm.gpu_memory_utilization"))
+        phases.insert(0, Phase("generation", tuple(actor)))
+    return MemoryPlan(tuple(phases), capacity_gib)
+
+
+def check(args: argparse.Namespace) -> MemoryPlan | None:
+    """The run's plan; raises ``ValueError`` when a phase cannot fit. None when the model's
+    shape is unknown (no config.json reachable offline) or the check is off (capacity 0)."""
+    capacity = _arg(args, "drpo.gpu_memory_gib")
+    if capacity <= 0:
+        return None
+    shape = model_shape(_arg(args, "actor.model_name_or_path"))
+    if shape is None:
+        return None
+    memory = plan(args, shape, capacity)
+    problems = memory.problems()
+    if problems:
+        raise ValueError("the run does not fit in GPU memory: " + " | ".join(problems))
+    return memory

@@ -1,0 +1,142 @@
+"""The memory plan (``integration/memory_plan.py``): model sizes from shapes, the recipes fit
+80 GB cards and pass their own preflight, settings that cannot fit are refused naming the
+flag, and docs/launch.md shows the numbers the code computes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from launch_checks import RECIPES, expected_recipe_args
+
+from drpo_openrlhf import train
+from drpo_openrlhf.integration import memory_plan
+from drpo_openrlhf.integration.memory_plan import KNOWN_SHAPES, ModelShape
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "launch.md"
+NODES = {"1.5b": 1, "7b": 2, "8b": 2}  # the recipes' #SBATCH --nodes
+
+
+def recipe_argv(size: str, tmp_path: Path, **changes) -> list[str]:
+    """The command a recipe submits (as tests/test_launch_scripts.py checks it), as argv."""
+    values = expected_recipe_args(size, tmp_path, tmp_path / "run", NODES[size])
+    values.pop("logger.wandb.key")
+    for flag in ("data.prompt_dataset", "eval.dataset", "data.max_samples"):
+        values.pop(flag)  # inputs are not what this tests
+    values.update(changes)
+    argv = []
+    for flag, value in values.items():
+        if value is True:
+            argv.append(f"--{flag}")
+        elif value is not False:
+            argv += [f"--{flag}", *map(str, value if isinstance(value, list) else [value])]
+    return argv
+
+
+def recipe_plan(size: str, tmp_path: Path, **changes) -> memory_plan.MemoryPlan:
+    argv = train.with_defaults(recipe_argv(size, tmp_path, **changes), train.DRPO_DEFAULTS)
+    args = train.build_parser().parse_args(argv)
+    return memory_plan.plan(args, KNOWN_SHAPES[RECIPES[size]["model"]], 81559 / 1024)
+
+
+@pytest.mark.parametrize(
+    ("model", "published"),
+    [
+        ("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", 1.777e9),
+        ("deepseek-ai/DeepSeek-R1-Distill-Qwen-7B", 7.616e9),
+        ("deepseek-ai/DeepSeek-R1-Distill-Llama-8B", 8.030e9),
+    ],
+)
+def test_known_shapes_give_the_published_sizes(model, published):
+    """Qwen2's q/k/v biases are left out: a 0.01 % difference."""
+    assert abs(KNOWN_SHAPES[model].params / published - 1) < 1e-3
+
+
+def test_shape_counts_every_parameter_of_a_llama(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    shape = memory_plan.model_shape(str(tmp_path))
+    assert shape == ModelShape(32, 3, 48, 97, 4, 2, tied=False)
+    assert shape.params == sum(p.numel() for p in LlamaForCausalLM(config).parameters())
+
+
+def test_a_config_that_is_not_a_decoders_gives_no_shape(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "something"}))
+    assert memory_plan.model_shape(str(tmp_path)) is None
+    assert memory_plan.model_shape("nobody/unknown-model") is None
+
+
+@pytest.mark.parametrize("size", list(RECIPES))
+def test_recipes_fit_an_80gb_card_and_pass_their_preflight(size, tmp_path):
+    plan = recipe_plan(size, tmp_path)
+    assert [p.name for p in plan] == ["generation", "scoring", "training"]
+    assert all(p.gib <= plan.limit_gib for p in plan), plan.table()
+    _, run, _ = train.parse(recipe_argv(size, tmp_path))
+    assert run.memory_plan == plan.table()
+
+
+def test_unchunked_log_probs_of_the_15b_recipe_are_refused_naming_the_flag(tmp_path, capsys):
+    """The issue's case: 8 responses of 9,216 tokens through a 151,936-word vocabulary."""
+    plan = recipe_plan("1.5b", tmp_path, **{"drpo.logprob_chunk_tokens": 0})
+    scoring = next(p for p in plan if p.name == "scoring")
+    logits = next(t for t in scoring.terms if t.name == "logits")
+    assert logits.gib == pytest.approx(8 * 9216 * 151936 * 6 / 2**30)  # bf16 + fp32 copies
+    assert logits.gib > 60
+    argv = recipe_argv("1.5b", tmp_path, **{"drpo.logprob_chunk_tokens": 0})
+    with pytest.raises(SystemExit):
+        train.parse(argv)
+    err = capsys.readouterr().err
+    assert "does not fit in GPU memory" in err and "--drpo.logprob_chunk_tokens 1024" in err
+
+
+@pytest.mark.parametrize(
+    ("changes", "flag"),
+    [
+        ({"ds.zero_stage": 0}, "--ds.zero_stage"),  # 8B's Adam states unsharded: 90 GiB
+        ({"train.micro_batch_size": 16, "actor.gradient_checkpointing_enable": False}, "--actor"),
+        ({"vllm.gpu_memory_utilization": 0.95}, "--vllm.gpu_memory_utilization"),
+    ],
+)
+def test_settings_that_cannot_fit_name_what_to_change(changes, flag, tmp_path, capsys):
+    plan = recipe_plan("8b", tmp_path, **changes)
+    assert plan.problems() and all(flag in problem for problem in plan.problems())
+    with pytest.raises(SystemExit):
+        train.parse(recipe_argv("8b", tmp_path, **changes))
+    assert flag in capsys.readouterr().err
+
+
+def test_a_reference_model_scores_unchunked(tmp_path):
+    """A baseline with a KL penalty: OpenRLHF's reference model materialises its logits."""
+    changes = {"algo.kl.init_coef": 0.01}
+    plan = recipe_plan("1.5b", tmp_path, **changes)
+    assert any("reference model" in p for p in plan.problems())
+    smaller = recipe_plan("1.5b", tmp_path, **changes, **{"rollout.micro_batch_size": 2})
+    assert not smaller.problems()
+    assert any(t.name == "reference weights" for p in smaller for t in p.terms)
+
+
+def test_no_check_at_capacity_zero_or_for_an_unknown_model(tmp_path, capsys):
+    _, run, _ = train.parse(recipe_argv("1.5b", tmp_path, **{"drpo.gpu_memory_gib": 0}))
+    assert run.memory_plan is None
+    unknown = recipe_argv("1.5b", tmp_path, **{"actor.model_name_or_path": "nobody/unknown"})
+    assert train.parse(unknown)[1].memory_plan is None
+
+
+def test_entropy_bonus_needs_unchunked_log_probs(tmp_path, capsys):
+    base = ["--shaping.method", "rloo_lp", "--shaping.params", "alpha=0.2"]
+    base += recipe_argv("1.5b", tmp_path, **{"actor.entropy_coef": 0.01})
+    with pytest.raises(SystemExit):
+        train.parse(base)
+    assert "--drpo.logprob_chunk_tokens 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("size", list(RECIPES))
+def test_docs_show_what_the_code_computes(size, tmp_path):
+    """docs/launch.md, Memory plan: each recipe's table as ``recipe_plan`` prints it."""
+    assert recipe_plan(size, tmp_path).table() in DOCS.read_text()
