@@ -138,16 +138,12 @@ def demo_runs(config: DemoConfig) -> list[Run]:
     ]
 
 
-def train_command(rl: RLConfig, run: Run, base: Path, train_file: Path, out: Path) -> list[str]:
-    """``python -m drpo_openrlhf.train ...`` for ``run``: one actor rank and one vLLM engine
-    (non-colocated), ZeRO-2, checkpoints, the final model in ``out/models/<run>``."""
+def shared_flags(rl: RLConfig) -> list[str]:
+    """The ``drpo_openrlhf.train`` flags every toy run shares: one actor rank and one vLLM
+    engine (non-colocated), ZeRO-2, the rollout and optimiser settings (``drpo-sweep toy``
+    writes them into its sweep file)."""
     return [
-        sys.executable,
-        "-m",
-        "drpo_openrlhf.train",
-        *("--actor.model_name_or_path", str(base)),
-        *("--data.prompt_dataset", str(train_file), "--data.input_key", "prompt"),
-        *("--data.label_key", "label", "--data.apply_chat_template"),
+        *("--data.input_key", "prompt", "--data.label_key", "label", "--data.apply_chat_template"),
         *("--actor.num_nodes", "1", "--actor.num_gpus_per_node", "1"),
         *("--vllm.num_engines", "1", "--vllm.enforce_eager"),
         *("--vllm.gpu_memory_utilization", "0.1"),  # on CPU: the share of RAM for KV cache
@@ -159,8 +155,22 @@ def train_command(rl: RLConfig, run: Run, base: Path, train_file: Path, out: Pat
         *("--train.batch_size", str(rl.train_batch_size)),
         *("--train.micro_batch_size", str(rl.micro_batch_size)),
         *("--ds.zero_stage", "2", "--ds.attn_implementation", "sdpa"),
-        *("--actor.adam.lr", str(rl.lr), "--train.seed", str(rl.seed)),
+        *("--actor.adam.lr", str(rl.lr)),
         *("--drpo.max_steps", str(rl.rollout_steps)),
+    ]
+
+
+def train_command(rl: RLConfig, run: Run, base: Path, train_file: Path, out: Path) -> list[str]:
+    """``python -m drpo_openrlhf.train ...`` for ``run`` from ``base``, with checkpoints and
+    the final model in ``out/models/<run>``."""
+    return [
+        sys.executable,
+        "-m",
+        "drpo_openrlhf.train",
+        *("--actor.model_name_or_path", str(base)),
+        *("--data.prompt_dataset", str(train_file)),
+        *shared_flags(rl),
+        *("--train.seed", str(rl.seed)),
         *("--ckpt.path", str(out / "ckpt" / run.name)),
         *("--ckpt.output_dir", str(out / "models" / run.name)),
         *("--logger.tensorboard_dir", str(out / "tensorboard" / run.name)),

@@ -2,7 +2,8 @@
 
 One panel for the dataset average, then one per dataset. In each, every method is a curve
 of pass@1 against mean response length over its runs (sorted by length, points annotated
-with the knob value), its no-length-penalty reference (role ``reference``) is also drawn as
+with the knob value; the seeds of one setting at their mean, with their spread as error
+bars), its no-length-penalty reference (role ``reference``) is also drawn as
 a square, and each base model (role ``base``) is a grey horizontal line whose legend entry
 gives its length. The figure is built without pyplot (no global backend state).
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from statistics import fmean
 
 from matplotlib import rcParams
 from matplotlib.figure import Figure
@@ -38,6 +40,25 @@ def _method(doc: Mapping) -> str:
     return doc.get("method") or doc["name"]
 
 
+def _points(
+    members: Sequence[Mapping], panel: str, datasets: Sequence[str] | None, metric: str
+) -> list[tuple[float, float, Mapping, tuple[list[float], list[float]]]]:
+    """One point per setting of a curve: results that share method, knob value and role
+    (the seeds of one setting) are drawn at their mean, with their lengths and metric values
+    for the error bars (the seed spread, min to max)."""
+    groups: dict[tuple, list[tuple[float, float, Mapping]]] = {}
+    for doc in members:
+        metrics = select_metrics(doc, panel, datasets)
+        if metrics:
+            key = (doc.get("param"), doc["role"])
+            groups.setdefault(key, []).append((metrics["mean_length"], metrics[metric], doc))
+    return [
+        (fmean(g[0] for g in group), fmean(g[1] for g in group), group[0][2],
+         ([g[0] for g in group], [g[1] for g in group]))
+        for group in groups.values()
+    ]  # fmt: skip
+
+
 def _draw_panel(
     ax,
     panel: str,
@@ -48,20 +69,31 @@ def _draw_panel(
     metric: str,
 ) -> None:
     for method, members in curves.items():
-        points = [
-            (metrics["mean_length"], metrics[metric], doc)
-            for doc in members
-            if (metrics := select_metrics(doc, panel, datasets))
-        ]
+        points = _points(members, panel, datasets, metric)
         if not points:
             continue
         points.sort(key=lambda p: p[0])
-        xs, ys = [p[0] for p in points], [p[1] for p in points]
-        ax.plot(xs, ys, marker="o", color=colors[method], label=method)
-        for x, y, doc in points:
+        ax.plot(
+            [p[0] for p in points],
+            [p[1] for p in points],
+            marker="o",
+            color=colors[method],
+            label=method,
+        )
+        for x, y, doc, (xs, ys) in points:
             ax.annotate(
                 _point_label(doc), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7
             )
+            if len(xs) > 1:
+                ax.errorbar(
+                    [x],
+                    [y],
+                    xerr=[[x - min(xs)], [max(xs) - x]],
+                    yerr=[[y - min(ys)], [max(ys) - y]],
+                    fmt="none",
+                    ecolor=colors[method],
+                    capsize=2,
+                )
             if doc["role"] == "reference":
                 ax.plot(
                     [x],

@@ -1,0 +1,78 @@
+"""The commands of one run: its ``python -m drpo_openrlhf.train`` flags (local and Ray), the
+recipe's variables (Slurm) and its ``drpo-eval`` call. The sweep owns each run's directory:
+``<output_dir>/<run>/{ckpt,model,tensorboard,eval}``, the recipes' layout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from drpo_openrlhf.sweep.spec import Run, Sweep, format_value
+
+
+def method_flags(run: Run) -> list[str]:
+    """What selects the run's method and its parameters on the entry point."""
+    if run.method == "disco":
+        return ["--drpo.lam", "inf"]
+    if run.method == "drpo":
+        return ["--drpo.lam", format_value(dict(run.params)["lambda"])]
+    params = ",".join(f"{k}={format_value(v)}" for k, v in run.params)
+    return ["--shaping.method", run.method, *(["--shaping.params", params] if params else [])]
+
+
+def model_dir(sweep: Sweep, run: Run) -> str:
+    """The model a run's evaluation reads: its final export, or the base itself."""
+    return str(sweep.run_dir(run) / "model") if run.trains else run.base_model
+
+
+def train_argv(sweep: Sweep, run: Run) -> list[str]:
+    """The entry point's arguments: base and data, the sweep's shared flags, the method, the
+    method's own flags, then the run's directories (last, so they win; ``--ckpt.load_enable``
+    resumes a killed run from its latest checkpoint, and starts fresh without one)."""
+    out = sweep.run_dir(run)
+    return [
+        *("--actor.model_name_or_path", run.base_model),
+        *("--data.prompt_dataset", run.train_data),
+        *sweep.train_flags,
+        *("--train.seed", str(run.seed)),
+        *method_flags(run),
+        *run.flags,
+        *("--ckpt.path", str(out / "ckpt"), "--ckpt.load_enable"),
+        *("--ckpt.output_dir", str(out / "model")),
+        *("--logger.tensorboard_dir", str(out / "tensorboard")),
+    ]
+
+
+def recipe_env(sweep: Sweep, run: Run) -> dict[str, str]:
+    """The launcher's variables for one run (docs/launch.md): its method, seed, base, data and
+    directory (``$OUTPUT_ROOT/$RUN_NAME``, which requeue and resume key on)."""
+    env = {"RUN_NAME": run.name, "MODEL": run.base_model, "TRAIN_DATA": run.train_data}
+    env["SEED"] = str(run.seed)
+    env["METHOD"] = run.method
+    if run.method == "drpo":
+        env["LAMBDA"] = format_value(dict(run.params)["lambda"])
+    elif run.method != "disco" and run.params:
+        env["SHAPING_PARAMS"] = ",".join(f"{k}={format_value(v)}" for k, v in run.params)
+    return env
+
+
+def eval_argv(sweep: Sweep, run: Run) -> list[str]:
+    """``drpo-eval`` on the run's model, labelled for the frontier and the AES table; the
+    sweep's ``[eval] flags`` come last so they can change the protocol (and the seed)."""
+    argv = ["--model", model_dir(sweep, run), "--data", *run.eval_data]
+    argv += ["--output-dir", str(eval_dir(sweep, run)), "--name", run.name, "--role", run.role]
+    if run.display:
+        argv += ["--method", run.display]
+    if run.param is not None:
+        argv += ["--param-name", str(run.param_name), "--param", run.param]
+    if run.seed is not None:
+        argv += ["--seed", str(run.seed)]
+    return [*argv, "--no-progress", *sweep.eval_flags]
+
+
+def eval_dir(sweep: Sweep, run: Run) -> Path:
+    return sweep.run_dir(run) / "eval"
+
+
+def result_path(sweep: Sweep, run: Run) -> Path:
+    """Where drpo-eval writes the run's result document."""
+    return eval_dir(sweep, run) / f"{run.name}.json"

@@ -1,0 +1,96 @@
+"""``drpo-sweep toy DIR``: the demo's toy task as a sweep, for the ``local`` backend on CPU.
+Per seed it writes what ``make demo`` builds (training and evaluation problems, the SFT base
+policy), then a sweep file whose shared flags and evaluation protocol are the demo's
+(``demo/run.py``), with the frontier grid of issue 26 as its methods."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import replace
+from pathlib import Path
+
+from drpo_openrlhf.demo.run import DemoConfig, make_problems, shared_flags, with_seed
+
+# lambda in {0.05, 0.1, 0.2, 0.5, inf}, RLOO-LP alpha in {0.1, 0.2, 0.4}
+METHODS = (
+    ("drpo", {"lambda": [0.05, 0.1, 0.2, 0.5]}),
+    ("disco", {}),
+    ("rloo_lp", {"alpha": [0.1, 0.2, 0.4]}),
+)
+
+
+def build_seed(config: DemoConfig, root: Path) -> None:
+    """The seed's problems and SFT base in ``root`` (kept when already built)."""
+    from drpo_openrlhf.demo.sft import train_sft
+    from drpo_openrlhf.demo.toy_model import build_toy_model
+    from drpo_openrlhf.demo.toy_task import sample_traces, write_jsonl
+
+    if (root / "base" / "config.json").is_file():
+        return
+    train_problems, eval_problems = make_problems(config)
+    write_jsonl(train_problems, root / "train.jsonl")
+    write_jsonl(eval_problems, root / "eval.jsonl")
+    init = build_toy_model(
+        root / "init",
+        hidden_size=config.hidden_size,
+        num_layers=config.num_layers,
+        seed=config.seed,
+    )
+    traces = sample_traces(random.Random(config.seed + 1), config.task, train_problems)
+    train_sft(init, root / "base", traces, config.sft, progress=False)
+
+
+def eval_flags(config: DemoConfig) -> list[str]:
+    """The demo's evaluation protocol as drpo-eval flags (HF generate on CPU)."""
+    rl = config.rl
+    return [
+        *("--backend", "hf", "--device", "cpu", "--batch-size", "64"),
+        *("--n", str(config.eval_samples), "--k", str(config.eval_samples)),
+        *("--temperature", str(rl.temperature), "--top-p", str(rl.top_p)),
+        *("--max-new-tokens", str(rl.max_new_tokens)),
+    ]
+
+
+def sweep_toml(name: str, root: Path, seeds: list[int], config: DemoConfig) -> str:
+    """The sweep file (TOML; JSON strings and arrays are valid TOML values)."""
+    lines = [
+        f"name = {json.dumps(name)}",
+        f"output_dir = {json.dumps(str(root / 'runs'))}",
+        f"seeds = {json.dumps(seeds)}",
+        "",
+        "[train]",
+        f"base_model = {json.dumps(str(root / 'seed{seed}' / 'base'))}",
+        f"data = {json.dumps(str(root / 'seed{seed}' / 'train.jsonl'))}",
+        f"flags = {json.dumps([*shared_flags(config.rl), '--algo.kl.init_coef', '0'])}",
+        "",
+        "[eval]",
+        f"data = {json.dumps([str(root / 'seed{seed}' / 'eval.jsonl')])}",
+        f"flags = {json.dumps(eval_flags(config))}",
+        "",
+        "[local]",
+        "num_gpus = 2",
+    ]
+    for method, grid in METHODS:
+        lines += ["", "[[methods]]", f"method = {json.dumps(method)}"]
+        if grid:
+            table = ", ".join(f"{k} = {json.dumps(v)}" for k, v in grid.items())
+            lines.append(f"grid = {{ {table} }}")
+    return "\n".join(lines) + "\n"
+
+
+def prepare_toy(root: Path, seeds: list[int], quick: bool, steps: int | None) -> Path:
+    """Builds every seed's inputs under ``root`` and writes ``root/sweep.toml``."""
+    root = root.resolve()
+    config = DemoConfig.quick() if quick else DemoConfig()
+    if steps is not None:
+        config = replace(config, rl=replace(config.rl, rollout_steps=steps))
+    for seed in seeds:
+        build_seed(with_seed(config, seed), root / f"seed{seed}")
+    path = root / "sweep.toml"
+    path.write_text(
+        sweep_toml(re.sub(r"[^A-Za-z0-9._-]+", "-", f"toy-{root.name}"), root, seeds, config),
+        encoding="utf-8",
+    )
+    return path
