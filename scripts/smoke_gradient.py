@@ -3,8 +3,9 @@
 The same randomly initialised toy policy (Qwen2 layout, the shape vLLM and flash-attention
 accept) scores one synthetic rollout twice through OpenRLHF's ``Actor`` and DRPO's mini-batch
 loss (``drpo_openrlhf.algo``): once as training runs it on the device (bf16, flash-attention 2
-with packed samples on a GPU; the run's dtype and attention elsewhere), once in fp64 with eager
-attention on padded rows on the CPU. The relative error of the whole gradient must stay under a
+with packed samples on a GPU; the run's dtype and attention elsewhere; log-probs in chunks, as
+``--drpo.logprob_chunk_tokens`` does by default), once in fp64 with eager attention on padded
+rows on the CPU, unchunked. The relative error of the whole gradient must stay under a
 tolerance measured for that precision; a corrupted loss (the rollout's prompt groups shifted by
 one response) must exceed it, or the check cannot tell a wrong gradient from rounding.
 """
@@ -22,6 +23,7 @@ PROMPTS, N, MAX_RESPONSE, MAX_PROMPT = 8, 4, 48, 12
 # the largest honest error and the smallest corrupted-loss error measured on CPU over seeds 0-4
 # (fp32: 2.2e-6 vs 0.276; bf16 with sdpa: 0.018 vs 0.276; docs/gpu.md, "The gradient check").
 TOLERANCE = {torch.float32: 7.8e-4, torch.bfloat16: 0.07}
+CHUNK_TOKENS = 64  # several chunks per micro-batch, none aligned with a response
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,8 @@ def drpo_gradient(actor, data, old_log_probs, group, device: str) -> torch.Tenso
 def check_gradient(
     model_dir: Path, device: str, dtype: torch.dtype, attn: str, packing: bool, seed: int = 0
 ) -> GradientResult:
+    from drpo_openrlhf.integration import chunked_actor
+
     torch.manual_seed(seed)
     reference = _actor(model_dir, torch.float64, "eager", "cpu", packing=False)
     data = synthetic_rollout(reference.model.config.vocab_size, seed)
@@ -105,6 +109,7 @@ def check_gradient(
     old = (policy + 0.05 * noise) * data["action_mask"]
     expected = drpo_gradient(reference, data, old, data["group"], "cpu")
     actor = _actor(model_dir, dtype, attn, device, packing)
+    chunked_actor.install(actor, CHUNK_TOKENS)
     got = drpo_gradient(actor, data, old, data["group"], device)
     shifted = data["group"].roll(1)
     wrong = drpo_gradient(actor, data, old, shifted, device)
