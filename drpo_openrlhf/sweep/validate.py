@@ -104,7 +104,7 @@ def command_problems(sweep: Sweep) -> list[str]:
     from drpo_openrlhf.sweep.commands import train_argv
     from drpo_openrlhf.train import parse
 
-    problems = []
+    failing: dict[str, list[str]] = {}  # message -> runs, so a shared flag is named once
     for run in sweep.runs:
         if not run.trains:
             continue
@@ -113,9 +113,9 @@ def command_problems(sweep: Sweep) -> list[str]:
             with contextlib.redirect_stderr(stderr):
                 parse(train_argv(sweep, run))
         except SystemExit:
-            message = stderr.getvalue().strip().splitlines() or ["invalid command"]
-            problems.append(f"run {run.name}: training command: {message[-1]}")
-    return problems
+            message = (stderr.getvalue().strip().splitlines() or ["invalid command"])[-1]
+            failing.setdefault(message.split(" error: ", 1)[-1], []).append(run.name)
+    return [f"training command of {', '.join(runs)}: {m}" for m, runs in failing.items()]
 
 
 def load_sweep(path: str | Path, backend: str, seeds: list[int] | None = None) -> Sweep:

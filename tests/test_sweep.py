@@ -1,0 +1,339 @@
+"""``drpo-sweep`` without training: the grid and its checks, what each backend's dry run would
+submit, the run states a re-run decides on, and the report from result files."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from drpo_openrlhf import train
+from drpo_openrlhf.demo.run import RLConfig, shared_flags
+from drpo_openrlhf.eval.metrics import aes
+from drpo_openrlhf.eval.plot import plot_tradeoff
+from drpo_openrlhf.sweep import state
+from drpo_openrlhf.sweep.cli import main, pending
+from drpo_openrlhf.sweep.report import write_report
+from drpo_openrlhf.sweep.spec import SweepError
+from drpo_openrlhf.sweep.status import run_states
+from drpo_openrlhf.sweep.validate import load_sweep
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "slurm" / "drpo_1.5b.sh"
+FLAGS = shared_flags(RLConfig())  # the demo's toy layout: one actor rank, one engine
+
+
+@pytest.fixture
+def inputs(tmp_path: Path) -> Path:
+    """A model directory per seed and one training and evaluation file."""
+    for seed in (0, 1):
+        (tmp_path / f"base{seed}").mkdir()
+        (tmp_path / f"base{seed}" / "config.json").write_text("{}")
+    row = '{"prompt": "Compute 1+2.", "label": "3", "datasource": "toy"}\n'
+    (tmp_path / "train.jsonl").write_text(row)
+    (tmp_path / "eval.jsonl").write_text(row)
+    return tmp_path
+
+
+def write_sweep(tmp_path: Path, methods: str, **top: str) -> Path:
+    settings = {"name": '"t"', "output_dir": json.dumps(str(tmp_path / "out")), "seeds": "[0, 1]"}
+    settings |= top
+    text = "\n".join(f"{k} = {v}" for k, v in settings.items())
+    text += f"""
+[train]
+base_model = {json.dumps(str(tmp_path / "base{seed}"))}
+data = {json.dumps(str(tmp_path / "train.jsonl"))}
+flags = {json.dumps(FLAGS)}
+[eval]
+data = {json.dumps([str(tmp_path / "eval.jsonl")])}
+flags = ["--n", "2"]
+[slurm]
+recipe = {json.dumps(str(RECIPE))}
+throttle = 2
+env = {{ MAX_STEPS = "100" }}
+[ray]
+address = "http://head:8265"
+{methods}"""
+    path = tmp_path / "sweep.toml"
+    path.write_text(text)
+    return path
+
+
+FRONTIER = """
+[[methods]]
+method = "drpo"
+grid = { lambda = [0.1, 0.5] }
+[[methods]]
+method = "disco"
+[[methods]]
+method = "rloo_lp"
+grid = { alpha = [0.2] }
+flags = ["--algo.kl.init_coef", "0"]
+"""
+
+
+def runs_of(inputs: Path) -> list[str]:
+    return [r.name for r in load_sweep(write_sweep(inputs, FRONTIER), "slurm").runs]
+
+
+def dry_run(path: Path, backend: str, capsys, *extra: str) -> str:
+    assert main(["run", str(path), "--backend", backend, "--dry-run", *extra]) == 0
+    return capsys.readouterr().out
+
+
+def test_grid_expands_methods_parameters_and_seeds(inputs: Path) -> None:
+    sweep = load_sweep(write_sweep(inputs, FRONTIER), "slurm")
+    assert [r.name for r in sweep.runs] == [
+        "base-s0", "base-s1", "drpo-lambda0.1-s0", "drpo-lambda0.1-s1", "drpo-lambda0.5-s0",
+        "drpo-lambda0.5-s1", "disco-s0", "disco-s1", "rloo_lp-alpha0.2-s0", "rloo_lp-alpha0.2-s1",
+    ]  # fmt: skip
+    by_name = {r.name: r for r in sweep.runs}
+    assert by_name["base-s1"].base_model == str(inputs / "base1")  # {seed} in the base path
+    assert (by_name["disco-s0"].role, by_name["disco-s0"].param) == ("reference", "inf")
+    assert by_name["base-s0"].role == "base" and not by_name["base-s0"].trains
+    rloo = by_name["rloo_lp-alpha0.2-s1"]
+    assert (rloo.display, rloo.param_name, rloo.param, rloo.seed) == ("RLOO-LP", "alpha", "0.2", 1)
+
+
+def test_grid_errors_are_listed_together_and_nothing_is_submitted(tmp_path: Path, capsys) -> None:
+    (tmp_path / "train.jsonl").write_text('{"prompt": "p"}\n')  # no label
+    path = tmp_path / "bad.toml"
+    path.write_text(
+        f"""name = "bad"
+output_dir = {json.dumps(str(tmp_path / "out"))}
+seeds = [0, 0]
+[train]
+base_model = "./no-such-model"
+data = {json.dumps(str(tmp_path / "train.jsonl"))}
+[eval]
+data = ["missing-eval.jsonl"]
+[[methods]]
+method = "grpo"
+[[methods]]
+method = "drpo"
+grid = {{ lambda = [0.1, -1, "inf"] }}
+[[methods]]
+method = "disco"
+[[methods]]
+method = "rloo_lp"
+grid = {{ alpha = [0.2, 1.5] }}
+[[methods]]
+method = "alp"
+[[methods]]
+method = "hapo"
+grid = {{ w = [0.1] }}
+params = {{ cutoff = -0.7 }}
+"""
+    )
+    assert main(["run", str(path), "--backend", "slurm"]) == 2
+    error = capsys.readouterr().err
+    problems = [line[4:] for line in error.splitlines() if line.startswith("  - ")]
+    assert (
+        problems
+        == [
+            "seeds repeat: [0, 0]",
+            "[[methods]] #1: unknown method 'grpo' (known: drpo, disco, rloo_lp, alp, hapo, "
+            "l1_max, shorter_better, laser_d)",
+            "[[methods]] #2 (drpo): drpo: lambda must be > 0 or inf, got -1",
+            "[[methods]] #4 (rloo_lp): rloo_lp: alpha must be a number in [0, 1], got 1.5",
+            "[[methods]] #5 (alp): alp needs beta (a finite number >= 0)",
+            "[[methods]] #6 (hapo): hapo takes hyper-parameters ['c', 'h', 'w'], not ['cutoff']",
+            "run disco-s0 appears 2 times in the grid",  # lambda = inf is DisCO
+            "base model: --actor.model_name_or_path ./no-such-model: no such directory",
+            "evaluation data: missing-eval.jsonl: no such file (drpo-eval reads local JSONL)",
+            "training data: --data.prompt_dataset " + str(tmp_path / "train.jsonl") + ": 1 bad "
+            "row(s): row 1: no 'label' (drpo-data validates and converts datasets: docs/data.md)",
+            "[slurm] recipe: no such file None (e.g. slurm/drpo_1.5b.sh)",
+        ]
+    )
+    assert f"{len(problems)} problem(s), nothing submitted" in error
+    assert not (tmp_path / "out").exists()
+
+
+def test_training_flags_are_checked_by_the_entry_point(inputs: Path) -> None:
+    path = write_sweep(inputs, FRONTIER)
+    path.write_text(path.read_text().replace('"16", "--rollout.n', '"15", "--rollout.n'))
+    with pytest.raises(SweepError) as error:
+        load_sweep(path, "local")
+    (problem,) = error.value.problems  # one line for all runs that share the fault
+    runs = "drpo-lambda0.1-s0, drpo-lambda0.1-s1, drpo-lambda0.5-s0, drpo-lambda0.5-s1, disco-s0"
+    assert problem.startswith(f"training command of {runs}, disco-s1: ")
+    assert "--rollout.batch_size" in problem  # 15 prompts cannot fill optimizer steps of 64
+
+
+def test_local_dry_run_prints_each_command(inputs: Path, capsys) -> None:
+    out = dry_run(write_sweep(inputs, FRONTIER), "local", capsys)
+    commands = [
+        shlex.split(line) for line in out.splitlines() if not line.startswith(("#", "sweep"))
+    ]
+    assert len(commands) == 2 + 2 * 8  # base evaluations, then training + evaluation per run
+    parsed = {}
+    for command in commands:
+        assert command[:2] == [sys.executable, "-m"]
+        if command[2] == "drpo_openrlhf.train":
+            config, run, argv = train.parse(command[3:])
+            flags = {a: argv[i + 1] for i, a in enumerate(argv[:-1]) if a.startswith("--")}
+            parsed[Path(flags["--ckpt.output_dir"]).parent.name] = (config, run, flags)
+    assert sorted(parsed) == sorted(r for r in runs_of(inputs) if not r.startswith("base"))
+    disco_config, _, disco = parsed["disco-s1"]
+    assert disco_config.lam == float("inf") and disco["--train.seed"] == "1"
+    assert disco["--actor.model_name_or_path"] == str(inputs / "base1")
+    assert parsed["drpo-lambda0.5-s0"][0].lam == 0.5
+    _, rloo, flags = parsed["rloo_lp-alpha0.2-s0"]
+    assert (rloo.method, rloo.params) == ("rloo_lp", {"alpha": 0.2})
+    assert flags["--algo.kl.init_coef"] == "0"
+    assert flags["--ckpt.path"] == str(inputs / "out" / "rloo_lp-alpha0.2-s0" / "ckpt")
+    assert all("--ckpt.load_enable" in c for c in commands if c[2] == "drpo_openrlhf.train")
+    evals = [c for c in commands if c[2] == "drpo_openrlhf.eval"]
+    drpo_eval = next(c for c in evals if "drpo-lambda0.1-s1" in c)
+    assert drpo_eval[drpo_eval.index("--model") + 1] == str(
+        inputs / "out" / "drpo-lambda0.1-s1" / "model"
+    )
+    for flag, value in (("--method", "DRPO"), ("--param", "0.1"), ("--seed", "1"), ("--n", "2")):
+        assert drpo_eval[drpo_eval.index(flag) + 1] == value
+    assert not (inputs / "out").exists()  # a dry run writes nothing
+
+
+def test_slurm_dry_run_prints_one_job_array(inputs: Path, capsys, tmp_path: Path) -> None:
+    out = dry_run(write_sweep(inputs, FRONTIER), "slurm", capsys, "--throttle", "3")
+    script = out[out.index("#!/usr/bin/env bash") :]
+    lines = script.splitlines()
+    assert "#SBATCH --array=0-9%3" in lines  # ten runs, --throttle over the file's 2
+    assert "#SBATCH --job-name=t" in lines
+    assert f"#SBATCH --output={inputs / 'out' / 'logs'}/%x-%A_%a.out" in lines
+    # the recipe's own directives, so each task is what `sbatch slurm/drpo_1.5b.sh` would be
+    for directive in ("--requeue", "--signal=B:USR1@300", "--gpus-per-node=8", "--exclusive"):
+        assert f"#SBATCH {directive}" in lines
+    assert not any(line.startswith("#SBATCH --output=%x-%j") for line in lines)
+    assert "export MAX_STEPS=100" in lines
+    tasks = {line.split(")", 1)[0]: line for line in lines if line[:1].isdigit()}
+    assert tasks["0"] == "0) export RUN_NAME=base-s0; train=0 ;;"
+    assert tasks["3"] == (
+        f"3) export RUN_NAME=drpo-lambda0.1-s1 MODEL={inputs / 'base1'} "
+        f"TRAIN_DATA={inputs / 'train.jsonl'} SEED=1 METHOD=drpo LAMBDA=0.1; "
+        f"flags=({shlex.join(FLAGS)}) ;;"
+    )
+    assert "METHOD=disco;" in tasks["6"] and "SEED=0" in tasks["6"]
+    assert "METHOD=rloo_lp SHAPING_PARAMS=alpha=0.2;" in tasks["8"]
+    assert tasks["8"].endswith("--algo.kl.init_coef 0) ;;")
+    assert f'  bash {RECIPE} "${{flags[@]}}" &' in lines
+    finish = f'-m drpo_openrlhf.sweep finish {inputs / "out" / "sweep.json"} --run "$RUN_NAME"'
+    assert lines[-1].endswith(finish)
+    (tmp_path / "array.sh").write_text(script)
+    subprocess.run(["bash", "-n", str(tmp_path / "array.sh")], check=True)
+    shellcheck = Path(sys.executable).parent / "shellcheck"
+    if shellcheck.exists():
+        subprocess.run([str(shellcheck), str(tmp_path / "array.sh")], check=True)
+
+
+def test_ray_dry_run_prints_one_submission_per_run(inputs: Path, capsys) -> None:
+    out = dry_run(write_sweep(inputs, FRONTIER), "ray", capsys, "--seeds", "1")
+    commands = [shlex.split(line) for line in out.splitlines() if line.startswith("ray ")]
+    assert len(commands) == 5  # base, two lambdas, DisCO and RLOO-LP for the one seed
+    first = commands[1]
+    assert first[:5] == ["ray", "job", "submit", "--address", "http://head:8265"]
+    assert first[first.index("--submission-id") + 1].startswith("t-drpo-lambda0.1-s1-")
+    assert json.loads(first[first.index("--runtime-env-json") + 1])["working_dir"] == str(REPO)
+    task = first[first.index("--") + 1 :]
+    assert task == ["python", "-m", "drpo_openrlhf.sweep", "task",
+                    str(inputs / "out" / "sweep.json"), "--run", "drpo-lambda0.1-s1"]  # fmt: skip
+
+
+def test_states_decide_what_a_rerun_submits(inputs: Path) -> None:
+    sweep = load_sweep(write_sweep(inputs, FRONTIER, seeds="[0]"), "local")
+    names = [r.name for r in sweep.runs]
+    dirs = {r.name: sweep.run_dir(r) for r in sweep.runs}
+    state.record_attempt(dirs["base-s0"], "local", pid=os.getpid())  # this process: alive
+    state.update_attempt(dirs["base-s0"], stage="evaluate")
+    state.record_attempt(dirs["drpo-lambda0.1-s0"], "local", pid=os.getpid())
+    state.update_attempt(dirs["drpo-lambda0.1-s0"], error="train exited with 1")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    state.record_attempt(dirs["drpo-lambda0.5-s0"], "local", pid=int(dead.stdout))
+    state.record_attempt(dirs["disco-s0"], "local", pid=os.getpid())
+    state.mark_done(dirs["disco-s0"], {"result": "r.json", "pushed_down": 0.0})
+    states = {s.run.name: (s.state, s.detail) for s in run_states(sweep)}
+    assert states == {
+        "base-s0": ("running", f"pid {os.getpid()}, evaluate"),
+        "drpo-lambda0.1-s0": ("failed", "train exited with 1"),
+        "drpo-lambda0.5-s0": ("failed", "interrupted"),  # its process is gone
+        "disco-s0": ("done", "r.json"),
+        "rloo_lp-alpha0.2-s0": ("missing", ""),
+    }
+    assert [r.name for r in pending(sweep)] == [n for n in names if n in
+                                                ("drpo-lambda0.1-s0", "drpo-lambda0.5-s0",
+                                                 "rloo_lp-alpha0.2-s0")]  # fmt: skip
+    state.record_attempt(dirs["disco-s0"], "local", pid=os.getpid())  # a new attempt
+    assert state.done(dirs["disco-s0"]) is None  # drops the old marker
+
+
+def result(name: str, method: str | None, param: str | None, role: str,
+           points: dict[str, tuple[float, float]]) -> dict:  # fmt: skip
+    """A drpo-eval result document: dataset -> (pass@1, mean length)."""
+    metrics = {d: {"num_problems": 1, "num_samples": 1, "pass@1": a, "mean_length": n}
+               for d, (a, n) in points.items()}  # fmt: skip
+    average = {"pass@1": sum(a for a, _ in points.values()) / len(points),
+               "mean_length": sum(n for _, n in points.values()) / len(points)}  # fmt: skip
+    return {"name": name, "method": method, "param": param, "role": role,
+            "param_name": "lambda" if method == "DRPO" else "alpha",
+            "datasets": metrics, "average": average}  # fmt: skip
+
+
+def test_report_frontier_aes_and_pushed_down(inputs: Path) -> None:
+    sweep = load_sweep(write_sweep(inputs, FRONTIER), "slurm")
+    numbers = {  # run -> ((pass@1, length) on toy, pushed down)
+        "base-s0": ((0.40, 100.0), None), "base-s1": ((0.50, 110.0), None),
+        "drpo-lambda0.1-s0": ((0.45, 50.0), 0.0), "drpo-lambda0.1-s1": ((0.55, 70.0), 0.0),
+        "disco-s0": ((0.44, 80.0), 0.0), "disco-s1": ((0.50, 90.0), 0.0),
+        "rloo_lp-alpha0.2-s0": ((0.40, 60.0), 0.05),
+    }  # fmt: skip
+    for run in sweep.runs:
+        if run.name not in numbers:
+            continue
+        point, pushed = numbers[run.name]
+        doc = result(run.name, run.display, run.param, run.role, {"toy": point})
+        path = sweep.run_dir(run) / "eval" / f"{run.name}.json"
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps(doc))
+        state.mark_done(sweep.run_dir(run), {"result": str(path), "pushed_down": pushed})
+    write_report(sweep)
+    report = json.loads((sweep.output_dir / "report.json").read_text())
+    assert report["unfinished"] == ["drpo-lambda0.5-s0", "drpo-lambda0.5-s1", "rloo_lp-alpha0.2-s1"]
+    frontier = {(r["method"], r["param"]): r for r in report["frontier"]}
+    drpo = frontier[("DRPO", "0.1")]
+    assert drpo["seeds"] == [0, 1]
+    assert drpo["panels"]["toy"]["pass@1"] == pytest.approx({"mean": 0.5, "min": 0.45, "max": 0.55})
+    assert drpo["panels"]["toy"]["mean_length"] == pytest.approx({"mean": 60, "min": 50, "max": 70})
+    aes_rows = {(r["method"], r["param"]): r for r in report["aes"]}
+    expected = [aes(0.45, 50, 0.44, 80), aes(0.55, 70, 0.50, 90)]  # each seed vs its DisCO
+    assert aes_rows[("DRPO", "0.1")]["average"] == pytest.approx(
+        {"mean": sum(expected) / 2, "min": min(expected), "max": max(expected)}
+    )
+    assert aes_rows[("RLOO-LP", "0.2")]["seeds"] == [0]
+    pushed = {r["name"]: r["pushed_down"] for r in report["runs"]}
+    assert pushed["rloo_lp-alpha0.2-s0"] == 0.05 and pushed["base-s0"] is None
+    markdown = (sweep.output_dir / "report.md").read_text()
+    assert "| DRPO lambda=0.1 | 0,1 | 50.0 (45.0..55.0) | 60.0 (50.0..70.0) |" in markdown
+    assert "| rloo_lp-alpha0.2-s0 | 0 | 40.0 | 60.0 | 5.0% |" in markdown
+    assert (sweep.output_dir / "frontier.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_figure_draws_seeds_of_a_setting_as_one_point_with_error_bars() -> None:
+    docs = [result(f"d{i}", "DRPO", "0.1", "run", {"toy": p})
+            for i, p in enumerate([(0.4, 50.0), (0.6, 70.0)])]  # fmt: skip
+    docs.append(result("disco", "DRPO", "inf", "reference", {"toy": (0.5, 90.0)}))
+    figure = plot_tradeoff(docs)
+    toy = figure.axes[1]
+    curve = toy.get_lines()[0]
+    assert list(curve.get_xdata()) == [60.0, 90.0] and list(curve.get_ydata()) == [0.5, 0.5]
+    (bars,) = toy.containers  # one setting with two seeds
+    xerr, yerr = (segment for collection in bars.lines[2] for segment in collection.get_segments())
+    assert xerr.tolist() == [[50.0, 0.5], [70.0, 0.5]] and yerr.tolist() == [
+        [60.0, 0.4],
+        [60.0, 0.6],
+    ]
