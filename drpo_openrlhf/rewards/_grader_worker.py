@@ -5,8 +5,11 @@ it imports nothing but the standard library and math-verify. It talks to its par
 the inherited socket ``FD`` with :class:`multiprocessing.connection.Connection` messages:
 
 * child -> parent, once: ``("ready", pid)`` or ``("fatal", message)``;
-* parent -> child: ``("grade", job_id, golds, pred, soft_timeout_s)`` or ``("stop",)``,
-  ``golds`` being the label's acceptable answers (a tuple of strings, or one string);
+* parent -> child: ``("grade", job_id, gold, pred, soft_timeout_s)`` or ``("stop",)``:
+  ``gold`` is ``(golds, plain_golds)``, the label's acceptable answers normalised and as
+  written; ``pred`` is ``(readings, parts)``, the prediction's normalised readings (each a
+  tuple of box contents) and its boxes as written. A bare string stands for all of these
+  (tests and the benchmark send ``("2", "2.0")``);
 * child -> parent: ``("result", job_id, correct, reason, restart)``.
 
 The child runs in its own main thread, so a ``SIGALRM`` interval timer (soft deadline)
@@ -110,29 +113,110 @@ class _Grader:
             self._gold_cache.move_to_end(gold)
         return entry
 
-    def grade(self, golds: tuple[str, ...] | str, pred: str) -> tuple[bool, str]:
-        """Correct if ``pred`` matches any of ``golds``; otherwise the most telling reason."""
-        if isinstance(golds, str):
-            golds = (golds,)
-        reason = "bad_label"
-        pred_parsed = None
-        for gold in golds:
-            gold_parsed, rounding, faithful = self._gold(gold)
+    def _parse_parts(self, parts: tuple[str, ...]) -> list:
+        """The boxes of one answer parsed as math-verify parses ``\\boxed{a}, \\boxed{b}``:
+        one box as itself, several as the set of their values (sets flattened)."""
+        if len(parts) == 1:
+            return self._parse_boxed(parts[0])
+        from sympy import FiniteSet
+
+        values = []
+        for part in parts:
+            parsed = self._parse_boxed(part)
+            if not parsed or isinstance(parsed[0], str):
+                return []
+            value = parsed[0]
+            values.extend(value.args if isinstance(value, FiniteSet) else [value])
+        return [FiniteSet(*values), ", ".join(parts)]
+
+    def grade(self, gold: tuple | str, pred: tuple | str) -> tuple[bool, str]:
+        """Correct if the prediction matches any acceptable answer, by the project's rules
+        or by plain math-verify (barring two vetoes); otherwise the most telling reason."""
+        golds, plain_golds = ((gold,), (gold,)) if isinstance(gold, str) else gold
+        readings, parts = (((pred,),), (pred,)) if isinstance(pred, str) else pred
+        parsed_readings: dict[tuple[str, ...], list] = {}
+        verified: set[tuple[str, tuple[str, ...]]] = set()
+        usable = unfaithful = pred_usable = precise = False
+        for form in golds:
+            gold_parsed, rounding, faithful = self._gold(form)
             if not gold_parsed:
                 continue
             if not faithful:
-                reason = "text_mismatch" if reason == "bad_label" else reason
+                unfaithful = True
+                continue
+            usable = True
+            precise = precise or rounding > _DIGITS
+            for reading in readings:
+                if reading not in parsed_readings:
+                    parsed_readings[reading] = self._parse_parts(reading)
+                pred_parsed = parsed_readings[reading]
+                if not pred_parsed:
+                    continue
+                pred_usable = True
+                if rounding == _DIGITS:
+                    verified.add((form, reading))
+                if self._verify(
+                    gold_parsed, pred_parsed, float_rounding=rounding, timeout_seconds=None
+                ):
+                    return True, "ok"
+        if usable:
+            reason = "wrong" if pred_usable else "unparsable"
+        else:
+            reason = "text_mismatch" if unfaithful else "bad_label"
+        plain = self._plain(plain_golds, parts, verified, precise)
+        if plain == "ok":
+            return True, "ok"
+        return False, plain or reason
+
+    def _plain(
+        self,
+        plain_golds: tuple[str, ...],
+        parts: tuple[str, ...],
+        verified: set[tuple[str, tuple[str, ...]]],
+        precise: bool,
+    ) -> str | None:
+        """Plain math-verify on the label and boxes as written (``verify(parse(gold),
+        parse(pred))``, default rounding): ``"ok"``, a veto's reason, or ``None``.
+
+        Vetoes (documented in docs/rewards.md): when the label is one number below 0.1 in
+        magnitude (``precise``: the comparison above was at six significant digits), a
+        number that failed it is wrong whatever six decimals say; and a label with letters
+        that math-verify reads as a bare number (``3 \\text{ apples and } 2 \\text{ pears}``
+        as ``3``) is not trusted."""
+        pred_parsed = None
+        veto = None
+        for form in plain_golds:
+            if (form, parts) in verified:
+                continue  # the same comparison already failed above
+            gold_parsed = self._plain_gold(form)
+            if not gold_parsed:
                 continue
             if pred_parsed is None:
-                pred_parsed = self._parse_boxed(pred)
+                pred_parsed = self._parse_parts(parts)
                 if not pred_parsed:
-                    return False, "unparsable"
-            if self._verify(
-                gold_parsed, pred_parsed, float_rounding=rounding, timeout_seconds=None
-            ):
-                return True, "ok"
-            reason = "wrong"
-        return False, reason
+                    return None
+            if not self._verify(gold_parsed, pred_parsed, timeout_seconds=None):
+                continue
+            if precise and _is_number(pred_parsed):
+                veto = "wrong"
+            elif not _faithful(form, gold_parsed):
+                veto = veto or "text_mismatch"
+            else:
+                return "ok"
+        return veto
+
+    def _plain_gold(self, gold: str) -> list:
+        """A label as written, parsed once (cached beside the normalised forms)."""
+        key = "\0plain\0" + gold
+        entry = self._gold_cache.get(key, _MISSING)
+        if entry is _MISSING:
+            entry = self._parse_boxed(gold)
+            self._gold_cache[key] = entry
+            if len(self._gold_cache) > _GOLD_CACHE_SIZE:
+                self._gold_cache.popitem(last=False)
+        else:
+            self._gold_cache.move_to_end(key)
+        return entry
 
 
 def _float_rounding(parsed: list) -> int:
@@ -147,6 +231,11 @@ def _float_rounding(parsed: list) -> int:
     except (TypeError, ValueError, OverflowError):
         pass
     return _DIGITS
+
+
+def _is_number(parsed: list) -> bool:
+    """Whether math-verify read one numeric value (``8.2/10**21`` included)."""
+    return bool(parsed) and bool(getattr(parsed[0], "is_number", False))
 
 
 def _faithful(gold: str, parsed: list) -> bool:

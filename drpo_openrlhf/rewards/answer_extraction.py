@@ -7,6 +7,8 @@ the answer after ``</think>``, and finding the last ``\\boxed{...}`` / ``\\fbox{
 
 from __future__ import annotations
 
+import re
+
 THINK_END = "</think>"
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
 # When the prompt is not an exact prefix of the query, its end is located by a tail of
@@ -104,22 +106,23 @@ def _braced(text: str, open_pos: int, limit: int) -> int:
 _UNCLOSED = object()
 
 
-def _box_argument(text: str, cmd_end: int, limit: int) -> object:
-    """The argument of a box command ending at ``cmd_end`` (within ``text[:limit]``):
-    a ``str``, ``None`` if malformed, or ``_UNCLOSED`` if its ``{`` is never closed."""
+def _box_argument(text: str, cmd_end: int, limit: int) -> tuple[object, int]:
+    """The argument of a box command ending at ``cmd_end`` (within ``text[:limit]``) and
+    the index just past it: a ``str``, ``None`` if malformed, or ``_UNCLOSED`` if its
+    ``{`` is never closed."""
     n = limit
     i = cmd_end
     if i < n and (text[i].isalpha() or text[i] == "@"):
-        return None  # a longer control word, e.g. \boxedsomething
+        return None, i  # a longer control word, e.g. \boxedsomething
     while i < n and text[i] in " \t":
         i += 1
     if i >= n:
-        return None
+        return None, i
     if text[i] == "{":
         end = _braced(text, i, n)
-        return _UNCLOSED if end == -1 else text[i + 1 : end - 1]
+        return (_UNCLOSED, i) if end == -1 else (text[i + 1 : end - 1], end)
     if i == cmd_end:
-        return None  # "\boxed5" is not a box; "\boxed 5" is
+        return None, i  # "\boxed5" is not a box; "\boxed 5" is
     # "\boxed 5": like the DeepScaleR / DRPO extraction, take the rest of the line up to
     # the closing math delimiter.
     stop = n
@@ -127,7 +130,29 @@ def _box_argument(text: str, cmd_end: int, limit: int) -> object:
         j = text.find(delim, i, n)
         if j != -1 and j < stop:
             stop = j
-    return text[i:stop].strip().rstrip(".,;")
+    return text[i:stop].strip().rstrip(".,;"), stop
+
+
+def _last_box(text: str, end: int) -> tuple[int, int, str] | None:
+    """``(start, stop, content)`` of the last well-formed box in ``text[:end]``.
+
+    Linear time: a box that does not close before a later unclosed box cannot close
+    after it either, so earlier boxes are only scanned up to that one.
+    """
+    # last occurrence of each command; only the one just consumed is searched again, so
+    # the searches together cover the text once
+    found = {cmd: text.rfind(cmd, 0, end) for cmd in _BOX_COMMANDS}
+    while True:
+        cmd = max(found, key=found.__getitem__)
+        pos = found[cmd]
+        if pos == -1:
+            return None
+        content, stop = _box_argument(text, pos + len(cmd), end)
+        if isinstance(content, str):
+            return pos, stop, content
+        if content is _UNCLOSED:
+            end = pos
+        found[cmd] = text.rfind(cmd, 0, pos)
 
 
 def last_boxed(text: str) -> str | None:
@@ -135,25 +160,41 @@ def last_boxed(text: str) -> str | None:
 
     Nested braces are handled; an unclosed box (e.g. a truncated answer) is skipped in
     favour of an earlier well-formed one. Returns ``None`` when there is none.
-
-    Linear time: a box that does not close before a later unclosed box cannot close
-    after it either, so earlier boxes are only scanned up to that one.
     """
-    end = len(text)
-    # last occurrence of each command; only the one just consumed is searched again, so
-    # the searches together cover the text once
-    found = {cmd: text.rfind(cmd) for cmd in _BOX_COMMANDS}
-    while True:
-        cmd = max(found, key=found.__getitem__)
-        pos = found[cmd]
-        if pos == -1:
-            return None
-        content = _box_argument(text, pos + len(cmd), end)
-        if isinstance(content, str):
-            return content
-        if content is _UNCLOSED:
-            end = pos
-        found[cmd] = text.rfind(cmd, 0, pos)
+    box = _last_box(text, len(text))
+    return None if box is None else box[2]
+
+
+MAX_FINAL_BOXES = 16
+"""At most this many chained boxes form the final answer (keeps the scan bounded)."""
+_MAX_GAP = 40
+# What may stand between two boxes of one final answer: spacing, math delimiters, commas,
+# semicolons, "and"/"or" (bare or in \text{}), as in "\boxed{(2, 2)} and \boxed{(6, 2)}" or
+# "$\boxed{k=45} \quad \text{and} \quad \boxed{n=2}$".
+_GAP = re.compile(
+    r"(?:\s|\$|\\[()\[\]]|\\\\|\\[,;:! ]|\\q?quad(?![A-Za-z])|[,;&~]"
+    r"|\\(?:text|mbox|textrm|mathrm)\s*\{\s*,?\s*(?:and|or)?\s*\}|(?<![A-Za-z])(?:and|or)(?![A-Za-z]))*"
+)
+
+
+def final_boxes(text: str) -> list[str] | None:
+    """The boxed answers of the final answer, in order: the last well-formed box and the
+    boxes chained right before it (separated only by what ``_GAP`` allows); ``None`` when
+    there is no box. A multi-part answer is often written one box per part."""
+    box = _last_box(text, len(text))
+    if box is None:
+        return None
+    start, _, content = box
+    parts = [content]
+    while len(parts) < MAX_FINAL_BOXES:
+        previous = _last_box(text, start)
+        if previous is None or start - previous[1] > _MAX_GAP:
+            break
+        if not _GAP.fullmatch(text, previous[1], start):
+            break
+        start, _, content = previous
+        parts.append(content)
+    return parts[::-1]
 
 
 _MATH_DELIMS = (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"))

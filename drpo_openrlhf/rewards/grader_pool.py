@@ -58,8 +58,8 @@ def default_num_workers() -> int:
 
 @dataclass
 class _Job:
-    gold: str
-    pred: str
+    gold: object  # a label's forms, or one string (see _grader_worker's message format)
+    pred: object
     timeout_s: float
     future: Future
 
@@ -246,7 +246,7 @@ class GraderPool:
     def worker_pids(self) -> list[int]:
         return [s.proc.pid for s in self._slots if s.proc is not None]
 
-    def submit(self, gold: str, pred: str, timeout_s: float) -> Future:
+    def submit(self, gold: object, pred: object, timeout_s: float) -> Future:
         future: Future = Future()
         if self.closed:
             future.set_result((False, "error"))
@@ -267,7 +267,7 @@ class GraderPool:
                         return False, "error"
 
     def grade_many(
-        self, pairs: Sequence[tuple[str, str]], timeout_s: float
+        self, pairs: Sequence[tuple[object, object]], timeout_s: float
     ) -> list[tuple[bool, str]]:
         futures = [self.submit(gold, pred, timeout_s) for gold, pred in pairs]
         return [self.wait(f) for f in futures]

@@ -9,17 +9,23 @@ Per response, the first of these that applies is its reason:
 2. ``no_think_end``: the response has no ``</think>`` (e.g. truncated) and
    ``require_think_end`` is set. The answer is the text after the first ``</think>``.
 3. ``no_boxed``: the answer has no well-formed ``\\boxed{...}`` / ``\\boxed x`` / ``\\fbox``;
-   ``unparsable`` if the last box is empty.
+   ``unparsable`` if the last box is empty. The prediction is the final group of boxes
+   (``answer_extraction.final_boxes``): one box, or several chained by commas / "and" /
+   "or", graded as the set of their contents.
 4. ``too_long``: the boxed answer is longer than ``MAX_ANSWER_CHARS`` (a label that long is
    ``bad_label``).
 5. The label's acceptable answers (a list label has several, see ``label_forms``) and the
    boxed answer are normalised (``label_forms.canonical``). Equal normalised text is ``ok``
-   at once. A label holding words (``label_forms.is_text_label``) is graded as text only:
-   ``text_mismatch`` when its text differs. The rest is compared by math-verify in a grader
-   process, with float rounding scaled to the label's magnitude: ``ok`` / ``wrong`` /
-   ``bad_label`` (math-verify extracts nothing from the label) / ``text_mismatch`` (the label
-   holds letters yet math-verify reads it as a bare number) / ``unparsable`` (nothing from
-   the answer) / ``timeout`` (deadline hit) / ``error`` (anything else).
+   at once, and so is equal text for a label that is really text (``is_text_label``).
+   These fast paths only ever say ``ok``: everything else goes to a grader process, which
+   compares the normalised forms with math-verify (float rounding scaled to the label's
+   magnitude) and, failing that, the label and boxes as written with plain math-verify, so
+   that a "wrong" is never said where plain math-verify says "right", except for two
+   documented vetoes (a small number that differs at six significant digits; a label with
+   words that math-verify can only read as a bare number). ``ok`` / ``wrong`` /
+   ``bad_label`` (math-verify extracts nothing from the label) / ``text_mismatch`` (a text
+   label, or one holding letters that math-verify reads as a bare number, not matched) /
+   ``unparsable`` (nothing from the answer) / ``timeout`` (deadline hit) / ``error``.
 """
 
 from __future__ import annotations
@@ -32,9 +38,16 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from drpo_openrlhf.rewards.answer_extraction import answer_part, last_boxed, to_text
+from drpo_openrlhf.rewards.answer_extraction import answer_part, final_boxes, to_text
 from drpo_openrlhf.rewards.grader_pool import get_pool
-from drpo_openrlhf.rewards.label_forms import canonical, gold_forms, match_key, text_key
+from drpo_openrlhf.rewards.label_forms import (
+    canonical,
+    decimal_comma,
+    decode_alternatives,
+    gold_forms,
+    match_key,
+    text_key,
+)
 
 DEFAULT_TIMEOUT_S = 5.0
 """Default per-response deadline (seconds of grader time)."""
@@ -72,23 +85,31 @@ _FINAL_REASONS = frozenset({"ok", "wrong", "unparsable", "bad_label", "text_mism
 """Verdicts that do not depend on time or luck; only these are cached."""
 
 
+Job = tuple[
+    tuple[tuple[str, ...], tuple[str, ...]], tuple[tuple[tuple[str, ...], ...], tuple[str, ...]]
+]
+"""What a grader process compares (see ``_grader_worker``): ``((golds, plain_golds),
+(readings, parts))``: the label's normalised forms and its forms as written, the
+prediction's normalised readings (each a tuple of box contents) and its boxes as written."""
+
+
 class _Verdicts:
-    """math-verify's verdicts per ``(golds, pred)``, most recent first out last: the
-    responses of a group often repeat one answer string, which is then graded once."""
+    """math-verify's verdicts per job, most recent first out last: the responses of a
+    group often repeat one answer string, which is then graded once."""
 
     def __init__(self, size: int):
         self.size = size
-        self._items: OrderedDict[tuple[tuple[str, ...], str], GradeResult] = OrderedDict()
+        self._items: OrderedDict[Job, GradeResult] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, key: tuple[tuple[str, ...], str]) -> GradeResult | None:
+    def get(self, key: Job) -> GradeResult | None:
         with self._lock:
             result = self._items.get(key)
             if result is not None:
                 self._items.move_to_end(key)
             return result
 
-    def put(self, key: tuple[tuple[str, ...], str], result: GradeResult) -> None:
+    def put(self, key: Job, result: GradeResult) -> None:
         if result.reason not in _FINAL_REASONS:
             return
         with self._lock:
@@ -112,11 +133,12 @@ def env_timeout_s() -> float:
 
 @dataclass(frozen=True)
 class _Gold:
-    """A label's canonical answers and the keys of the text comparisons (cached per label:
-    the responses of one group share it)."""
+    """A label's canonical answers, its answers as written (for plain math-verify) and the
+    keys of the text comparisons (cached per label: the responses of one group share it)."""
 
     math: tuple[str, ...]
     text: tuple[str, ...]
+    plain: tuple[str, ...]
     match_keys: frozenset[str]
     text_keys: frozenset[str]
 
@@ -126,6 +148,7 @@ def _make_gold(label: object) -> _Gold:
     return _Gold(
         tuple(math_golds),
         tuple(text_golds),
+        tuple(decode_alternatives(label)),
         frozenset(match_key(g) for g in math_golds + text_golds),
         frozenset(text_key(g) for g in text_golds),
     )
@@ -138,13 +161,11 @@ def _gold(label: object) -> _Gold:
     return _cached_gold(label) if isinstance(label, str) else _make_gold(label)
 
 
-def prepare(
-    response: object, label: object, require_think_end: bool = True
-) -> GradeResult | tuple[tuple[str, ...], str]:
+def prepare(response: object, label: object, require_think_end: bool = True) -> GradeResult | Job:
     """Cheap checks done in the caller's thread.
 
-    Returns a final ``GradeResult`` or the ``(golds, pred)`` pair math-verify must compare:
-    the label's canonical answers that math-verify grades, and the canonical boxed answer.
+    Returns a final ``GradeResult`` (``ok`` from a fast path, or a documented reason such
+    as ``no_boxed``; never a plain "wrong") or the ``Job`` a grader process must decide.
     """
     gold = _gold(label)
     if not (gold.math or gold.text):
@@ -153,21 +174,27 @@ def prepare(
     answer = answer_part(text, require_think_end)
     if answer is None:
         return GradeResult(False, "no_think_end")
-    pred = last_boxed(answer)
-    if pred is None:
+    boxes = final_boxes(answer)
+    if boxes is None:
         return GradeResult(False, "no_boxed")
-    pred = pred.strip()
-    if not pred:
+    if not boxes[-1].strip():
         return GradeResult(False, "unparsable")
-    if len(pred) > MAX_ANSWER_CHARS:
+    # a part boxed twice counts once; an empty box in the chain adds nothing
+    parts = tuple(dict.fromkeys(p.strip() for p in boxes if p.strip()))
+    if sum(len(p) for p in parts) > MAX_ANSWER_CHARS:
         return GradeResult(False, "too_long")
-    if any(len(g) > MAX_ANSWER_CHARS for g in gold.math + gold.text):
+    if any(len(g) > MAX_ANSWER_CHARS for g in gold.math + gold.text + gold.plain):
         return GradeResult(False, "bad_label")
-    if match_key(pred) in gold.match_keys or (gold.text and text_key(pred) in gold.text_keys):
+    canonical_parts = tuple(canonical(p) for p in parts)
+    if ",".join(match_key(p) for p in canonical_parts) in gold.match_keys:
         return OK
-    if not gold.math:
-        return GradeResult(False, "text_mismatch")
-    return gold.math, canonical(pred)
+    if gold.text and text_key(", ".join(parts)) in gold.text_keys:
+        return OK
+    readings = [canonical_parts]
+    dotted = decimal_comma(canonical_parts[0]) if len(parts) == 1 else None
+    if dotted is not None:
+        readings.append((dotted,))
+    return (gold.math + gold.text, gold.plain), (tuple(readings), parts)
 
 
 def grade_responses(
@@ -193,13 +220,16 @@ def grade_responses(
         raise ValueError(f"timeout_s must be a positive number, got {timeout_s}")
 
     results: list[GradeResult | None] = [None] * len(responses)
-    pending: dict[tuple[tuple[str, ...], str], list[int]] = {}
+    pending: dict[Job, list[int]] = {}
+    text_only: set[Job] = set()
     for i, (response, label) in enumerate(zip(responses, labels, strict=True)):
         try:
             prepared = prepare(response, label, require_think_end)
         except Exception:
             prepared = GradeResult(False, "error")
         if not isinstance(prepared, GradeResult):
+            if not _gold(label).math:
+                text_only.add(prepared)
             prepared = _verdicts.get(prepared) or pending.setdefault(prepared, [])
         if isinstance(prepared, GradeResult):
             results[i] = prepared
@@ -213,6 +243,8 @@ def grade_responses(
         except Exception:
             outcomes = [(False, "error")] * len(pairs)
         for pair, (correct, reason) in zip(pairs, outcomes, strict=True):
+            if reason == "wrong" and pair in text_only:
+                reason = "text_mismatch"  # a text label: logged apart from math answers
             result = OK if correct else GradeResult(False, reason)
             _verdicts.put(pair, result)
             for i in pending[pair]:

@@ -35,17 +35,27 @@ _SCI = re.compile(
     r"|(?:\\times|\\cdot|\*|×)\s*10\s*\^\s*(?:\{\s*([+-]?\d+)\s*\}|([+-]?\d)))"
 )
 _POW10 = re.compile(r"10\s*\^\s*(?:\{\s*([+-]?\d+)\s*\}|([+-]?\d))")
-_TEXT_GROUP = r"\\(?:text|mbox|mathrm|textrm|rm)\s*\{[^{}]*\}"
+_TEXT_GROUP = r"\\(?:text|textnormal|mbox|mathrm|textrm|rm)\s*\{[^{}]*\}"
 _EXPONENT = r"(?:\s*\^\s*(?:\{[^{}]*\}|-?\d))?"
 _UNIT_TAIL = re.compile(rf"(?:\s*{_TEXT_GROUP}{_EXPONENT})+\s*$")
 _UNIT_WORD = r"(?:[A-Za-z]{2,5}|[mgsKJNWVAL])"  # one-letter words are variables, but SI units
 _PLAIN_UNIT_TAIL = re.compile(rf"(?:\s+{_UNIT_WORD}{_EXPONENT}(?:\s*/\s*{_UNIT_WORD})?)+\s*$")
 _NAME = r"(?:[A-Za-z]|\\[A-Za-z]+)(?:_\s*(?:\{[A-Za-z0-9,\\ ]+\}|[A-Za-z0-9]))?'*"
 _NAME_EQ = re.compile(rf"\s*{_NAME}(?:\s*\(\s*[A-Za-z]\s*\))?\s*=\s*([^=<>]+)")
-_TEXT_WORD = re.compile(r"\\(?:text|mbox|textbf|textit|mathrm|textrm)\s*\{[^{}]*[A-Za-z]{2}")
-_COMMAND = re.compile(r"\\(?:begin|end|operatorname)\s*\{[A-Za-z*]+\}|\\[A-Za-z]+")
-_LONG_WORD = re.compile(r"[A-Za-z]{4,}")
-_TEXT_WRAPPER = re.compile(r"\\(?:text|mbox|textbf|textit|mathrm|textrm)\s*\{([^{}]*)\}")
+_TEXT_WRAPPER = re.compile(
+    r"\\(?:text|textnormal|mbox|textbf|textit|mathrm|textrm|mathbf)\s*\{([^{}]*)\}"
+)
+# A label that is really text once its wrappers are gone: words (names, directions, "yes"),
+# or one multiple-choice letter, with spaces and light punctuation; no digits, no math.
+_WORDS = re.compile(r"[A-Za-z][A-Za-z' ,.;:!?()-]*")
+_WORD = re.compile(r"[A-Za-z]{2,}")
+_CHOICE = re.compile(r"\(?[A-E]\)?")
+# Thousands separators as MATH writes them: "11,\\! 111,\\! 100", "1{,}000".
+_THOUSANDS = re.compile(r"(?<=\d)(?:,\\!|\{,\})\s*(?=\d{3}(?!\d))")
+# "$125$ miles": the answer in math, a unit or description after it in words.
+_MATH_THEN_WORDS = re.compile(r"\$([^$]+)\$\s*[A-Za-z][A-Za-z .-]*")
+# "1000,99" or "3,14159": one comma with other than three digits after it (no space).
+_DECIMAL_COMMA = re.compile(r"([+-]?\d+),(\d{1,2}|\d{4,})")
 _TEXT_NOISE = re.compile(r"[\s$(){}.,;:!\\]")
 
 
@@ -133,7 +143,12 @@ def _strip_units(text: str) -> str:
 def canonical(text: str) -> str:
     """``text`` with layout-only differences removed: spacing commands, ``\\left``/
     ``\\right``, ``\\dfrac``, ``^{\\circ}``, trailing punctuation, trailing units, and
-    scientific notation written out as a decimal."""
+    scientific notation written out as a decimal; thousands separators (``,\\!``, ``{,}``)
+    dropped and a ``$125$ miles`` label read as its math."""
+    words = _MATH_THEN_WORDS.fullmatch(text.strip())
+    if words:
+        text = words.group(1)
+    text = _THOUSANDS.sub("", text)
     text = _SPACING.sub(lambda m: m.group() if m.group() == "\\\\" else " ", text)
     text = _LEFT_RIGHT.sub("", text)
     text = _SMALL_FRAC.sub("\\\\frac", text)
@@ -155,16 +170,27 @@ def text_key(text: str) -> str:
 
 
 def is_text_label(text: str) -> bool:
-    """Whether a (canonical) label holds words that math-verify would not grade faithfully:
-    a ``\\text{...}`` with a word in it, a bare word of 4+ letters, or several ``=``."""
-    if _TEXT_WORD.search(text) or text.count("=") > 1:
+    """Whether a (canonical) label is really text: words (``\\text{Evelyn}``, ``east``) or a
+    multiple-choice letter (``\\text{(C)}``), with no digits or math. Such labels also
+    accept an answer whose text matches (case, spacing, wrappers aside); anything else,
+    equations and named values included, is math-verify's to judge."""
+    inner = _TEXT_WRAPPER.sub(r"\1", text).strip()
+    if _CHOICE.fullmatch(inner):
         return True
-    return bool(_LONG_WORD.search(_COMMAND.sub(" ", text)))
+    return bool(_WORDS.fullmatch(inner) and _WORD.search(inner))
+
+
+def decimal_comma(text: str) -> str | None:
+    """``1000,99`` read with a decimal comma (``1000.99``), or ``None`` when ``text`` is not
+    one number written that way (three digits after the comma are a thousands group)."""
+    match = _DECIMAL_COMMA.fullmatch(text.strip())
+    return f"{match.group(1)}.{match.group(2)}" if match else None
 
 
 def gold_forms(label: object) -> tuple[list[str], list[str]]:
     """``(math_forms, text_forms)``: canonical alternatives math-verify grades, and those
-    compared as text only. A ``name = value`` label also accepts ``value`` alone."""
+    that are really text (also compared as text). A ``name = value`` label also accepts
+    ``value`` alone, and a ``1000,99`` label its decimal-comma reading ``1000.99``."""
     math_forms: list[str] = []
     text_forms: list[str] = []
     for answer in decode_alternatives(label):
@@ -178,4 +204,7 @@ def gold_forms(label: object) -> tuple[list[str], list[str]]:
             value = canonical(named.group(1))
             if value and value not in math_forms:
                 math_forms.append(value)
+        dotted = decimal_comma(form)
+        if dotted and dotted not in math_forms:
+            math_forms.append(dotted)
     return list(dict.fromkeys(math_forms)), list(dict.fromkeys(text_forms))
