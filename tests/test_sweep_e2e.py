@@ -55,9 +55,8 @@ method = "disco"
 def sweep(*argv: str, **popen) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own Ray cluster
     command = [sys.executable, "-m", "drpo_openrlhf.sweep", *argv]
-    return subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen
-    )
+    popen = {"stderr": subprocess.STDOUT, **popen}
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True, **popen)
 
 
 def children(parent: int, marker: str) -> list[int]:
@@ -91,7 +90,7 @@ def test_local_sweep_kill_and_resume(toy, tmp_path: Path) -> None:
     assert first.returncode == 1, output
     assert "drpo-lambda0.1-s0 FAILED" in output and "1 run(s) failed" in output
 
-    status = sweep("status", str(path))
+    status = sweep("status", str(path), stderr=subprocess.DEVNULL)  # no library warnings
     listing = status.communicate(timeout=120)[0]
     states = dict(line.split()[:2] for line in listing.splitlines()[:3])
     assert states == {"base": "done", "drpo-lambda0.1-s0": "failed", "disco-s0": "done"}, listing
