@@ -1,0 +1,135 @@
+"""The grader against plain math-verify (issue 27): on a corpus of realistic responses
+(``fixtures/grader_corpus.py``, ours) and, when available, on the DRPO authors' released
+labels with synthetic right and wrong answers, the project's verdict equals plain
+``math_verify.verify(parse(gold), parse(pred))`` or the difference is explained (the table
+in docs/rewards.md) and the project is the one that is right."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from drpo_openrlhf.rewards.answer_extraction import normalize_label
+from drpo_openrlhf.rewards.grading import grade_responses
+
+sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
+from grader_corpus import Pair, pairs
+
+THINK_END = "</think>"
+
+
+def plain_verdict(response: str, label: str) -> bool:
+    """Plain math-verify as a user calls it: the label (each acceptable answer of a list
+    label) boxed as the project boxes it, the text after ``</think>`` as the prediction."""
+    from math_verify import parse, verify
+
+    golds = [label]
+    if label.startswith('["'):
+        golds = json.loads(label)
+    answer = response.split(THINK_END, 1)[1] if THINK_END in response else response
+    pred = parse(answer)
+    return any(verify(parse("\\boxed{" + (normalize_label(g) or "") + "}"), pred) for g in golds)
+
+
+def compare(items: list[Pair], grade: Callable[[list[str], list[str]], list]) -> list[dict]:
+    """One row per pair: project verdict and reason, plain verdict, truth."""
+    logging.disable(logging.CRITICAL)  # math-verify logs every failed parse
+    results = grade([p.response for p in items], [p.label for p in items])
+    return [
+        {
+            "pair": p,
+            "project": r.correct,
+            "reason": r.reason,
+            "plain": plain_verdict(p.response, p.label),
+        }
+        for p, r in zip(items, results, strict=True)
+    ]
+
+
+def counts(rows: list[dict]) -> dict[str, int]:
+    """False negatives / positives against plain math-verify and against the truth."""
+    c: Counter[str] = Counter()
+    for row in rows:
+        truth, project, plain = row["pair"].truth, row["project"], row["plain"]
+        c["pairs"] += 1
+        c["fn_vs_plain"] += plain and not project
+        c["fp_vs_plain"] += project and not plain
+        c["fn_vs_truth"] += truth and not project
+        c["fp_vs_truth"] += project and not truth
+        c["plain_fn_vs_truth"] += truth and not plain
+        c["plain_fp_vs_truth"] += plain and not truth
+    return dict(c)
+
+
+# Every expected difference from plain math-verify on our corpus, (label, final answer) ->
+# the class of docs/rewards.md's table that explains why the project is right.
+E_NOTATION = "e-notation"  # math-verify reads the e of 2.88e-19 as Euler's number
+UNIT_WORD = "unit word in the label"  # math-verify keeps "Hz" as a product of symbols
+PRECISION = "relative precision"  # six decimals cannot tell 8.2e-19 from 1e-7
+DECIMAL_COMMA = "decimal comma"  # math-verify reads 3,25 as the set {3, 25}
+WORDS_AS_NUMBER = "words read as a number"  # "3 apples and 2 pears" is not 3
+NO_BOX = "no boxed answer"  # the authors' rule: the last box, none is 0
+NO_THINK_END = "no </think>"  # a response cut at the length limit
+EXPLAINED: dict[tuple[str, str], str] = {
+    ("6.43 \\times 10^{16}", "6.43e16"): E_NOTATION,
+    ("3 \\times 10^{8}", "3e8"): E_NOTATION,
+    ("8.2 \\times 10^{-19}", "8.2e-19"): E_NOTATION,
+    ("1.45 \\times 10^{-5}", "1.45e-5"): E_NOTATION,
+    ("4.4677 \\times 10^{14} Hz", "4.4677 \\times 10^{14}"): UNIT_WORD,
+    ("4.4677 \\times 10^{14} Hz", "4.4677e14 \\text{ Hz}"): UNIT_WORD,
+    ("8.2 \\times 10^{-19}", "8.2 \\times 10^{-21}"): PRECISION,
+    ("8.2 \\times 10^{-19}", "0.0000001"): PRECISION,
+    ("1000,99", "1000.99"): DECIMAL_COMMA,
+    ("3.25", "3,25"): DECIMAL_COMMA,
+    ("3 \\text{ apples and } 2 \\text{ pears}", "3"): WORDS_AS_NUMBER,
+    ("\\frac{3}{4}", "The answer is $\\frac{3}{4}$."): NO_BOX,
+    ("35", "So the answer is 35."): NO_BOX,
+    ("18", "Final answer: 18"): NO_BOX,
+    ("35", "(truncated)"): NO_THINK_END,
+}
+
+
+@pytest.fixture(scope="module")
+def corpus_rows() -> list[dict]:
+    return compare(pairs(), grade_responses)
+
+
+def test_corpus_is_large_and_two_sided():
+    items = pairs()
+    assert len(items) >= 200
+    assert {p.truth for p in items} == {True, False}
+    assert len({p.style for p in items}) >= 6
+
+
+def test_differences_from_plain_math_verify_are_all_explained(corpus_rows):
+    unexplained = [
+        (r["pair"].key, r["project"], r["reason"], r["plain"])
+        for r in corpus_rows
+        if r["project"] != r["plain"] and r["pair"].key not in EXPLAINED
+    ]
+    assert not unexplained
+
+
+def test_explained_differences_still_differ_and_the_project_is_right(corpus_rows):
+    rows = {r["pair"].key: r for r in corpus_rows}
+    stale = [k for k in EXPLAINED if k not in rows or rows[k]["project"] == rows[k]["plain"]]
+    assert not stale
+    assert all(rows[k]["project"] == rows[k]["pair"].truth for k in EXPLAINED)
+
+
+if __name__ == "__main__":
+    rows = compare(pairs(), grade_responses)
+    for r in rows:
+        if r["project"] != r["plain"] or r["project"] != r["pair"].truth:
+            p = r["pair"]
+            print(
+                f"{p.style:10} truth={p.truth!s:5} project={r['project']!s:5} ({r['reason']}) "
+                f"plain={r['plain']!s:5} {p.label!r} <- {p.final!r}"
+            )
+    print(json.dumps(counts(rows)))
