@@ -223,13 +223,26 @@ def test_stuck_child_is_killed_and_replaced():
         assert pool.counts["killed"] == 1
         assert pool.grade_many([("0.5", "\\frac12")], timeout_s=1.0) == [(True, "ok")]
         assert pool.grade_many([("2", "CRASH")], timeout_s=1.0) == [(False, "error")]
-        assert pool.counts["crashed"] == 1
+        assert pool.counts["crashed"] == 2  # graded once more in a fresh child, crashed again
         # a batch with a stuck answer in the middle: the others are graded normally
         out = pool.grade_many([("1", "1"), ("2", "HANG"), ("3", "3")], timeout_s=1.0)
         assert out == [(True, "ok"), (False, "timeout"), (True, "ok")]
     finally:
         pool.close()
     assert pool.grade_many([("1", "1")], timeout_s=1.0) == [(False, "error")]  # closed
+
+
+def test_a_child_lost_mid_job_is_replaced_and_the_job_graded_again(tmp_path):
+    """A worker killed while grading (from outside, or by the memory cap) must not turn a
+    right answer into a wrong one: the job goes to a fresh child once."""
+    pool = GraderPool(num_workers=1, grace_s=0.5, worker_script=STUCK_WORKER)
+    try:
+        flag = tmp_path / "crashed"
+        out = pool.grade_many([("2", f"CRASHONCE:{flag}:2")], timeout_s=1.0)
+        assert flag.exists() and pool.counts["crashed"] == 1
+        assert out == [(True, "ok")]
+    finally:
+        pool.close()
 
 
 def test_memory_cap_is_applied_and_survivable():

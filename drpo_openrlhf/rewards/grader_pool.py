@@ -43,6 +43,7 @@ DEFAULT_GRACE_S = 0.5
 DEFAULT_STARTUP_TIMEOUT_S = 120.0
 DEFAULT_MEMORY_MB = 4096
 _MAX_BACKOFF_S = 30.0
+_CRASHED = (False, "error")  # the outcome of a job whose child died; compared by identity
 
 
 def default_num_workers() -> int:
@@ -150,6 +151,15 @@ class _Slot:
     # -- serving ---------------------------------------------------------------------
 
     def _run(self, job: _Job) -> tuple[bool, str]:
+        """Grades ``job``; a child that dies while grading (killed from outside, or out of
+        memory) is replaced and the job graded once more, so that a lost worker does not
+        turn a right answer into a wrong one."""
+        outcome = self._run_once(job)
+        if outcome is _CRASHED:
+            outcome = self._run_once(job)
+        return outcome
+
+    def _run_once(self, job: _Job) -> tuple[bool, str]:
         if not self._ensure_started():
             return False, "error"
         job_id = next(self._ids)
@@ -164,7 +174,7 @@ class _Slot:
         except (EOFError, OSError, ValueError):
             self.pool.count("crashed")
             self._kill()
-            return False, "error"
+            return _CRASHED
         if not (
             isinstance(msg, tuple) and len(msg) == 5 and msg[0] == "result" and msg[1] == job_id
         ):
