@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from dataclasses import fields
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,6 +21,7 @@ from drpo_openrlhf.algo.length_reward import LENGTH_REWARDS
 from drpo_openrlhf.algo.shaper import GroupRewardShaper
 from drpo_openrlhf.algo.shaping import METHODS
 from drpo_openrlhf.integration import memory_plan, preflight
+from drpo_openrlhf.integration.checkpoints import prepare_resume, stop_message
 from drpo_openrlhf.integration.device import DEVICES
 from drpo_openrlhf.integration.layout import Layout
 from drpo_openrlhf.openrlhf_cli import openrlhf_parser
@@ -294,6 +296,8 @@ def refuse_entropy_with_chunks(args: argparse.Namespace) -> None:
 def check_inputs(args: argparse.Namespace) -> None:
     """Model, reward file and local datasets, before anything starts (``preflight``)."""
     preflight.check_model(getattr(args, "actor.model_name_or_path"))
+    for flag in ("ckpt.path", "ckpt.output_dir"):
+        preflight.check_writable(getattr(args, flag), f"--{flag}")
     for url in (getattr(args, "reward.remote_url") or "").split(","):
         preflight.check_reward_file(url.strip())
     input_key, label_key = getattr(args, "data.input_key"), getattr(args, "data.label_key")
@@ -366,7 +370,16 @@ def main(argv: list[str] | None = None) -> None:
         print("No GPU memory estimate: --drpo.gpu_memory_gib 0, or no config.json for the model")
     from drpo_openrlhf.integration.launch import run_openrlhf
 
-    run_openrlhf(openrlhf_argv, config, run)
+    ckpt = vars(build_parser().parse_known_args(openrlhf_argv)[0])
+    if ckpt["ckpt.load_enable"]:
+        print(f"drpo_openrlhf: {prepare_resume(ckpt['ckpt.path'])}", flush=True)
+    try:
+        run_openrlhf(openrlhf_argv, config, run)
+    except Exception as error:
+        traceback.print_exc()
+        message = stop_message(error, ckpt["ckpt.path"])
+        print(f"drpo_openrlhf: {message}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

@@ -51,10 +51,9 @@ def leftovers() -> list[str]:
     return found
 
 
-def train(toy, out: Path, *flags: str, ray_address: str | None, steps: int = 2):
-    """``python -m drpo_openrlhf.train`` on the toy task; returns the finished process (its
-    output in ``out/log``) once no actor or engine process of it is left."""
-    command = [
+def train_command(toy, out: Path, *flags: str, steps: int = 2) -> list[str]:
+    """``python -m drpo_openrlhf.train`` on the toy task, a checkpoint every step."""
+    return [
         sys.executable,
         "-m",
         "drpo_openrlhf.train",
@@ -73,18 +72,34 @@ def train(toy, out: Path, *flags: str, ray_address: str | None, steps: int = 2):
         *("--ckpt.save_steps", "1", "--logger.tensorboard_dir", str(out / "tb")),
         *flags,
     ]
+
+
+def train_env(ray_address: str | None, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     if ray_address:
         env["RAY_ADDRESS"] = ray_address
+    return {**env, **extra}
+
+
+def train(toy, out: Path, *flags: str, ray_address: str | None, steps: int = 2):
+    """``python -m drpo_openrlhf.train`` on the toy task; returns the finished process (its
+    output in ``out/log``) once no actor or engine process of it is left."""
+    command = train_command(toy, out, *flags, steps=steps)
     out.mkdir(parents=True, exist_ok=True)
     with (out / "log").open("w") as log:
-        done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=600)
-    deadline = time.monotonic() + 60
+        done = subprocess.run(
+            command, stdout=log, stderr=subprocess.STDOUT, env=train_env(ray_address), timeout=600
+        )
+    wait_for_no_leftovers()
+    done.output = (out / "log").read_text()
+    return done
+
+
+def wait_for_no_leftovers(seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
     while leftovers() and time.monotonic() < deadline:
         time.sleep(1)
     assert not leftovers(), f"processes left after the run: {leftovers()}"
-    done.output = (out / "log").read_text()
-    return done
 
 
 def assert_drpo_trained(out: Path, base: Path, steps: int) -> dict[str, dict[int, float]]:

@@ -260,7 +260,9 @@ def test_bad_baseline_settings_are_usage_errors(extra, message, capsys):
 
 
 def test_main_in_baseline_mode_keeps_openrlhfs_actor(entry_point):
-    """Baselines train with OpenRLHF's PPO update; only the sync check is added to it."""
+    """Baselines train with OpenRLHF's PPO update; only the sync check, the complete-checkpoint
+    marker, chunked log-probs and the non-finite update check are added to it."""
+    from drpo_openrlhf.integration.checkpoints import CompleteCheckpointActor
     from drpo_openrlhf.integration.ray_actors import (
         BaselinePolicyModelActor,
         GroupAwarePPOTrainer,
@@ -271,8 +273,9 @@ def test_main_in_baseline_mode_keeps_openrlhfs_actor(entry_point):
     train.main([*BASE, "--shaping.method", "hapo", "--shaping.params", "w=1"])
     assert entry_point["actor"] is BaselinePolicyModelActor
     stock = entry_point["stock_actor"].__ray_actor_class__
-    assert _BaselinePolicyModelActor.__bases__ == (SentDigestsActor, stock)
-    assert "fit" not in vars(_BaselinePolicyModelActor) and "fit" not in vars(SentDigestsActor)
+    mixins = (CompleteCheckpointActor, SentDigestsActor)
+    assert _BaselinePolicyModelActor.__bases__ == (*mixins, stock)
+    assert all("fit" not in vars(c) for c in (_BaselinePolicyModelActor, *mixins))
     assert entry_point["trainer"] is GroupAwarePPOTrainer
 
 

@@ -394,6 +394,7 @@ class DRPOActorTrainer(ActorPPOTrainer):
         self.strategy.backward(loss * scale, self.actor, self.actor_optim)
         if last:
             self.strategy.optimizer_step(self.actor_optim, self.actor, self.actor_scheduler)
+            check_finite_update(self.strategy.get_grad_norm(self.actor))
             # OpenRLHF's training_step calls moving_average once per micro-batch and it acts
             # on every accumulated_gradient-th call (every call under dynamic batching);
             # call it that often per optimizer step, so that it acts once, here
@@ -436,6 +437,31 @@ class DRPOActorTrainer(ActorPPOTrainer):
             }
         )
         return out
+
+
+class NonFiniteUpdateError(FloatingPointError):
+    """An optimizer step whose gradient is NaN or infinite."""
+
+
+def check_finite_update(grad_norm: float | Tensor | None) -> None:
+    """Stop the run after an optimizer step with a NaN or infinite gradient (a NaN loss makes
+    one). The global norm is the same on every rank, so all ranks stop together; the stop
+    comes before the step's weights are sent to vLLM or saved, so the last checkpoint holds
+    the last finite weights. ``None``: DeepSpeed computed no norm (nothing to check)."""
+    if grad_norm is not None and not math.isfinite(float(grad_norm)):
+        raise NonFiniteUpdateError(
+            f"the gradient norm of an optimizer step is {float(grad_norm)} (a NaN or infinite "
+            "loss, reward or activation): stopping before these weights are used or saved"
+        )
+
+
+class FiniteCheckedPPOTrainer(ActorPPOTrainer):
+    """OpenRLHF's PPO update (the baselines) with ``check_finite_update`` after each step."""
+
+    def training_step(self, *args, **kwargs):
+        status = super().training_step(*args, **kwargs)
+        check_finite_update(status["metrics"].get("actor_grad_norm"))
+        return status
 
 
 def _mean_metrics(steps: list[dict[str, float]]) -> dict[str, float]:

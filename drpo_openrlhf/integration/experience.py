@@ -25,6 +25,7 @@ from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 
 from drpo_openrlhf.integration.actor_trainer import GROUP_KEY, SLOT_KEY
 from drpo_openrlhf.integration.layout import Layout, deal_rollout
+from drpo_openrlhf.integration.reward_guard import check_rollout_rewards
 
 
 def layout_of(args, world_size: int) -> Layout:
@@ -84,6 +85,7 @@ class GroupTaggingExperienceMaker(RemoteExperienceMaker):
         return super().compute_advantages_and_returns(experiences)
 
     def make_experience_batch(self, rollout_samples):
+        check_rollout_rewards(rollout_samples)
         experiences = super().make_experience_batch(rollout_samples)
         args = self.strategy.args
         if args.train.dynamic_batch_enable:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,6 +32,20 @@ def check_model(name: str) -> None:
         raise ValueError(f"--actor.model_name_or_path {name}: no such directory")
     if not (path / "config.json").is_file():
         raise ValueError(f"--actor.model_name_or_path {name}: no config.json (not an HF model)")
+
+
+def check_writable(path: str, flag: str) -> None:
+    """``path`` can be created and written: its nearest existing ancestor is a writable
+    directory on a writable file system. Checked without creating anything, so that a bad
+    checkpoint path fails now, not at the first save hours into the run."""
+    current = Path(path).expanduser().absolute()
+    while not current.exists():
+        current = current.parent
+    if not current.is_dir():
+        raise ValueError(f"{flag} {path}: {current} is a file, not a directory")
+    read_only = os.statvfs(current).f_flag & os.ST_RDONLY
+    if read_only or not os.access(current, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: {current} is not writable")
 
 
 def check_reward_file(path: str) -> None:

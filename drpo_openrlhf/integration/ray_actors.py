@@ -19,9 +19,11 @@ from drpo_openrlhf.algo import DRPOConfig
 from drpo_openrlhf.algo.logprob_gap import logprob_gap, pooled_gap
 from drpo_openrlhf.algo.shaper import GroupRewardShaper
 from drpo_openrlhf.integration import chunked_actor
-from drpo_openrlhf.integration.actor_trainer import DRPOActorTrainer
+from drpo_openrlhf.integration.actor_trainer import DRPOActorTrainer, FiniteCheckedPPOTrainer
+from drpo_openrlhf.integration.checkpoints import CompleteCheckpointActor
 from drpo_openrlhf.integration.cpu_support import CPU_WORKER_EXTENSION
 from drpo_openrlhf.integration.experience import GroupTaggingExperienceMaker
+from drpo_openrlhf.integration.reward_guard import guard_engine_rewards
 from drpo_openrlhf.integration.shaping import ShapingExperienceMaker, advantage_signal_stats
 from drpo_openrlhf.integration.sync_check import (
     SentDigestsActor,
@@ -46,16 +48,21 @@ def warn_if_settings_changed(saved: dict | None, config: DRPOConfig) -> bool:
     return bool(changed)
 
 
-class _BaselinePolicyModelActor(SentDigestsActor, ppo_actor.PolicyModelActor.__ray_actor_class__):
+class _BaselinePolicyModelActor(
+    CompleteCheckpointActor, SentDigestsActor, ppo_actor.PolicyModelActor.__ray_actor_class__
+):
     """OpenRLHF's actor (baselines' PPO update) whose weight syncs are checked and whose
     log-probs are computed in chunks, as DRPO's."""
 
     def init_model_from_pretrained(self, strategy, *args, **kwargs):
         super().init_model_from_pretrained(strategy, *args, **kwargs)
         chunked_actor.install(self.actor, strategy.args.drpo_run.logprob_chunk_tokens)
+        self.trainer.__class__ = FiniteCheckedPPOTrainer
 
 
-class _DRPOPolicyModelActor(SentDigestsActor, ppo_actor.PolicyModelActor.__ray_actor_class__):
+class _DRPOPolicyModelActor(
+    CompleteCheckpointActor, SentDigestsActor, ppo_actor.PolicyModelActor.__ray_actor_class__
+):
     def init_model_from_pretrained(self, strategy, *args, **kwargs):
         super().init_model_from_pretrained(strategy, *args, **kwargs)
         chunked_actor.install(self.actor, strategy.args.drpo_run.logprob_chunk_tokens)
@@ -173,19 +180,23 @@ class _GroupAwarePPOTrainer(VerifiedSyncTrainer, ppo_trainer.PPOTrainer.__ray_ac
 
 
 class _CPURolloutRayActor(SyncReportingEngine, vllm_engine.RolloutRayActor.__ray_actor_class__):
-    """OpenRLHF's vLLM engine actor with the CPU worker extension (``cpu_support``)."""
+    """OpenRLHF's vLLM engine actor with the CPU worker extension (``cpu_support``) and the
+    reward guard (``reward_guard``)."""
 
     async def __init__(self, *args, **kwargs):
         kwargs["worker_extension_cls"] = CPU_WORKER_EXTENSION
         await super().__init__(*args, **kwargs)
+        guard_engine_rewards(self.executor)
 
 
 class _GPURolloutRayActor(SyncReportingEngine, vllm_engine.RolloutRayActor.__ray_actor_class__):
-    """OpenRLHF's vLLM engine actor whose workers record and digest each weight sync."""
+    """OpenRLHF's vLLM engine actor whose workers record and digest each weight sync, with the
+    reward guard (``reward_guard``)."""
 
     async def __init__(self, *args, **kwargs):
         kwargs["worker_extension_cls"] = GPU_WORKER_EXTENSION
         await super().__init__(*args, **kwargs)
+        guard_engine_rewards(self.executor)
 
 
 DRPOPolicyModelActor = ray.remote(num_gpus=1)(_DRPOPolicyModelActor)

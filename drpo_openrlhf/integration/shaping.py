@@ -13,6 +13,7 @@ from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 
 from drpo_openrlhf.algo.learning_signal import signal_diagnostics
 from drpo_openrlhf.algo.shaper import GroupRewardShaper
+from drpo_openrlhf.integration.reward_guard import check_rollout_rewards
 
 
 def shape_experiences(shaper: GroupRewardShaper, experiences: list) -> None:
@@ -57,6 +58,10 @@ def advantage_signal_stats(experiences: list) -> dict[str, float]:
 
 class ShapingExperienceMaker(RemoteExperienceMaker):
     shaper: GroupRewardShaper
+
+    def make_experience_batch(self, rollout_samples):
+        check_rollout_rewards(rollout_samples)
+        return super().make_experience_batch(rollout_samples)
 
     def compute_advantages_and_returns(self, experiences):
         shape_experiences(self.shaper, experiences)

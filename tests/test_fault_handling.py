@@ -1,0 +1,182 @@
+"""The pieces of issue 23's fault handling, without a run: complete-checkpoint markers and the
+resume choice, the stop message, the reward guard, the non-finite update check and the
+checkpoint-path preflight. ``tests/test_faults.py`` injects the faults into real runs."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+from ray.exceptions import RayTaskError
+
+from drpo_openrlhf.integration import preflight
+from drpo_openrlhf.integration.actor_trainer import NonFiniteUpdateError, check_finite_update
+from drpo_openrlhf.integration.checkpoints import (
+    ASIDE,
+    is_complete,
+    last_checkpoint,
+    mark_complete,
+    prepare_resume,
+    stop_message,
+)
+from drpo_openrlhf.integration.reward_guard import (
+    RewardError,
+    answer_problem,
+    check_rollout_rewards,
+    guard_reward_func,
+)
+
+# --- checkpoints ---------------------------------------------------------------------------
+
+
+def save(root, step: int, *, complete: bool, latest: bool = True) -> None:
+    """A checkpoint folder as DeepSpeed leaves it (two files), marked complete or not."""
+    tag = root / "_actor" / f"global_step{step}"
+    tag.mkdir(parents=True)
+    (tag / "mp_rank_00_model_states.pt").write_bytes(b"m" * 10)
+    (tag / "zero_pp_rank_0_optim_states.pt").write_bytes(b"o" * 20)
+    if complete:
+        mark_complete(tag)
+    if latest:
+        (root / "_actor" / "latest").write_text(tag.name)
+
+
+def test_a_marked_checkpoint_is_complete_until_a_file_changes(tmp_path):
+    save(tmp_path, 1, complete=True)
+    tag = tmp_path / "_actor" / "global_step1"
+    assert is_complete(tag)
+    (tag / "zero_pp_rank_0_optim_states.pt").write_bytes(b"o" * 7)  # truncated
+    assert not is_complete(tag)
+    (tag / "zero_pp_rank_0_optim_states.pt").unlink()
+    assert not is_complete(tag)
+
+
+def test_resume_skips_a_checkpoint_that_latest_names_but_is_not_complete(tmp_path):
+    """DeepSpeed's race: rank 0 wrote ``latest`` before another rank's shard was written."""
+    save(tmp_path, 1, complete=True)
+    save(tmp_path, 2, complete=False)  # latest -> global_step2
+    assert last_checkpoint(str(tmp_path)) == tmp_path / "_actor" / "global_step1"
+    message = prepare_resume(str(tmp_path))
+    assert message.startswith(f"resuming from {tmp_path / '_actor' / 'global_step1'}")
+    assert "set aside incomplete global_step2" in message
+    assert (tmp_path / "_actor" / "latest").read_text() == "global_step1"
+    assert not (tmp_path / "_actor" / "global_step2").exists()
+    (aside,) = (tmp_path / ASIDE).iterdir()
+    assert aside.name.startswith("global_step2-")
+
+
+def test_resume_with_nothing_complete_starts_afresh(tmp_path):
+    save(tmp_path, 1, complete=False, latest=False)
+    mark_complete(tmp_path / "_actor" / "global_step1")
+    (tmp_path / "_actor" / "global_step1" / "mp_rank_00_model_states.pt").unlink()
+    message = prepare_resume(str(tmp_path))
+    assert "no complete checkpoint" in message and "starting afresh" in message
+    assert not (tmp_path / "_actor").exists()
+
+
+def test_checkpoints_without_markers_resume_from_latest_as_openrlhf_does(tmp_path):
+    """A checkpoint saved by OpenRLHF itself, or by an older version of this package."""
+    save(tmp_path, 3, complete=False)
+    assert prepare_resume(str(tmp_path)) == f"resuming from {tmp_path / '_actor' / 'global_step3'}"
+    save(tmp_path / "none", 1, complete=False, latest=False)
+    assert last_checkpoint(str(tmp_path / "none")) is None
+
+
+def test_no_checkpoint_folder_is_a_fresh_start(tmp_path):
+    assert prepare_resume(str(tmp_path / "new")).startswith("no checkpoint in")
+
+
+def test_stop_message_names_the_innermost_cause_and_the_checkpoint(tmp_path):
+    save(tmp_path, 4, complete=True)
+
+    class EngineDeadError(RuntimeError):
+        pass
+
+    try:
+        raise EngineDeadError("EngineCore encountered an issue.\nmore")
+    except EngineDeadError as dead:
+        wrapped = RayTaskError("generate", "traceback", dead)
+    message = stop_message(RuntimeError("outer").with_traceback(None), None)
+    assert message == "the run stopped: RuntimeError: outer. No complete checkpoint: a rerun " + (
+        "starts from the beginning."
+    )
+    outer = RuntimeError("driver")
+    outer.__cause__ = wrapped
+    message = stop_message(outer, str(tmp_path))
+    assert message.startswith("the run stopped: a vLLM engine process died")
+    assert "(EngineDeadError: EngineCore encountered an issue.)" in message
+    assert f"Last complete checkpoint: {tmp_path / '_actor' / 'global_step4'}" in message
+
+
+# --- rewards -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("answer", "problem"),
+    [
+        ({"rewards": torch.tensor([1.0]), "scores": torch.tensor([1.0])}, None),
+        ({"rewards": 0.0}, None),
+        ([1.0], "not a dict with 'rewards'"),
+        ({"scores": torch.tensor([1.0])}, "not a dict with 'rewards'"),
+        ({"rewards": torch.tensor([1.0, 0.0])}, "'rewards' holds 2 values for 1 queries"),
+        ({"rewards": torch.tensor([1.0]), "scores": []}, "'scores' holds 0 values"),
+        ({"rewards": torch.tensor([math.nan])}, "'rewards' is not finite"),
+        ({"rewards": "1"}, "'rewards' is a str"),
+    ],
+)
+def test_answer_problems(answer, problem):
+    found = answer_problem(answer, 1)
+    assert found == problem if problem is None else problem in found
+
+
+def test_guarded_reward_func_turns_failures_into_logged_nan(caplog):
+    def raising(queries, prompts, labels):
+        raise ValueError("bad label")
+
+    def hanging(queries, prompts, labels):
+        time.sleep(30)
+
+    def fine(queries, prompts, labels):
+        return {"rewards": torch.tensor([1.0]), "scores": torch.tensor([1.0])}
+
+    assert guard_reward_func(fine, timeout=5)(["q"], ["p"], ["l"])["scores"].item() == 1.0
+    for func, cause in [(raising, "ValueError: bad label"), (hanging, "within 0.5 s")]:
+        start = time.monotonic()
+        answer = guard_reward_func(func, timeout=0.5)(["q"], ["the prompt"], ["l"])
+        assert time.monotonic() - start < 5
+        assert math.isnan(answer["rewards"].item()) and math.isnan(answer["scores"].item())
+        assert cause in caplog.text and "'the prompt'" in caplog.text
+
+
+class Sample:
+    def __init__(self, rewards, scores):
+        self.rewards, self.scores, self.prompts = rewards, scores, ["p"] * 2
+
+
+def test_a_rollout_with_an_unscored_response_stops():
+    good = Sample(torch.tensor([1.0, 0.0]), torch.tensor([1.0, 0.0]))
+    check_rollout_rewards([good, good])
+    for bad in (Sample(None, None), Sample(torch.tensor([1.0, math.nan]), torch.ones(2))):
+        with pytest.raises(RewardError, match=r"for [12] of the rollout's 4 responses"):
+            check_rollout_rewards([good, bad])
+
+
+# --- updates, paths ----------------------------------------------------------------------
+
+
+def test_a_non_finite_gradient_norm_stops_the_run():
+    check_finite_update(0.5)
+    check_finite_update(None)
+    for norm in (math.nan, math.inf, torch.tensor(math.nan)):
+        with pytest.raises(NonFiniteUpdateError, match="before these weights are used"):
+            check_finite_update(norm)
+
+
+def test_checkpoint_path_under_a_file_is_refused(tmp_path):
+    (tmp_path / "file").write_text("x")
+    preflight.check_writable(str(tmp_path / "a" / "b"), "--ckpt.path")
+    assert not (tmp_path / "a").exists()  # nothing created
+    with pytest.raises(ValueError, match=r"--ckpt\.path .*is a file, not a directory"):
+        preflight.check_writable(str(tmp_path / "file" / "ckpt"), "--ckpt.path")
