@@ -3,7 +3,9 @@
 import pytest
 
 from drpo_openrlhf.rewards.answer_extraction import (
+    MAX_FINAL_BOXES,
     answer_part,
+    final_boxes,
     last_boxed,
     normalize_label,
     split_query,
@@ -34,6 +36,33 @@ from drpo_openrlhf.rewards.answer_extraction import (
 )
 def test_last_boxed(text, expected):
     assert last_boxed(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("so \\boxed{5}.", ["5"]),
+        ("\\boxed{1} then \\boxed{2}", ["2"]),
+        ("$\\boxed{(2, 2)}$ and $\\boxed{(6, 2)}$.", ["(2, 2)", "(6, 2)"]),
+        ("\\boxed{1},\\boxed{2},\\boxed{3}", ["1", "2", "3"]),
+        ("\\boxed{k=4} \\quad \\text{and} \\quad \\boxed{n=2}", ["k=4", "n=2"]),
+        ("\\[\\boxed{1}\\]\\[\\boxed{2}\\]", ["1", "2"]),
+        ("\\boxed{1} or \\fbox{3}", ["1", "3"]),
+        ("\\boxed{1}. So \\boxed{2}", ["2"]),  # a sentence between: not one answer
+        ("\\boxed{1}, \\boxed{2} then \\boxed{3", ["1", "2"]),  # unclosed last box
+        ("\\boxed{1} andrew \\boxed{2}", ["2"]),
+        ("no box", None),
+    ],
+)
+def test_final_boxes(text, expected):
+    assert final_boxes(text) == expected
+
+
+def test_final_boxes_is_bounded():
+    text = "\\boxed{1}, " * 100_000 + "\\boxed{2}"
+    parts = final_boxes(text)
+    assert parts is not None and len(parts) == MAX_FINAL_BOXES and parts[-1] == "2"
+    assert final_boxes("{" * 2_000_000 + "\\boxed{" + "{" * 1_000_000) is None
 
 
 def test_last_boxed_is_linear_on_megabytes():

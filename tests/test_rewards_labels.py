@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from decimal import Decimal
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -12,6 +13,7 @@ from drpo_openrlhf.rewards.label_forms import (
     decode_alternatives,
     encode_alternatives,
     gold_forms,
+    is_text_label,
 )
 from drpo_openrlhf.rewards.math_reward import REASONS, grade_responses
 
@@ -83,6 +85,42 @@ CASES = {
         ('["0.01", "0.02"]', "0.03", False),
         ('["\\\\text{east}", "\\\\text{E}"]', "2", False),
     ],
+    # issue 27: forms where plain math-verify was right and the grader was not
+    "variable names and assignments": [
+        ("$AB=4,CD=5$", "4, 5", True),
+        ("p = -1 \\text{ and } p = \\frac{15}{8}", "p=-1,p=\\frac{15}{8}", True),
+        ("k = 45, n = 2", "n = 2, k = 45", True),
+        ("a=2, a=-6-4 \\sqrt{2}", "2, -6-4\\sqrt{2}", True),
+        ("$AB=4,CD=5$", "4, 6", False),
+        ("k = 45, n = 2", "k = 45", False),
+        ("p = -1 \\text{ and } p = \\frac{15}{8}", "p = -1", False),
+    ],
+    "units outside the math": [
+        ("$125$ miles", "125\\textnormal{ miles}", True),
+        ("$125$ miles", "125", True),
+        ("$125$ miles", "126 \\text{ miles}", False),
+    ],
+    "thousands separators": [
+        ("11,\\! 111,\\! 111,\\! 100", "11111111100", True),
+        ("10,\\!080", "10{,}080", True),
+        ("11111111100", "11,\\! 111,\\! 111,\\! 100", True),
+        ("11,\\! 111,\\! 111,\\! 100", "1111111100", False),
+    ],
+    "decimal commas": [
+        ("1000,99", "1000.99", True),
+        ("3.25", "3,25", True),
+        ("3.14159", "3,14159", True),
+        ("3.25", "3,52", False),
+        ("1000,99", "99", False),
+        ("1500", "1,500", True),  # three digits after a comma: a thousands group
+        ("1.5", "1,500", False),
+    ],
+    "equivalent expressions in another order": [
+        ("abc", "cba", True),
+        ("6\\pi\\sqrt{3}", "6\\sqrt{3}\\pi", True),
+        ("SRAC=LRAC", "LRAC=SRAC", True),
+        ("abc", "ab", False),
+    ],
 }
 TABLE = [(cls, *case) for cls, cases in CASES.items() for case in cases]
 
@@ -106,9 +144,54 @@ def test_table():
     assert not wrong
 
 
+# (label, answer part of the response, correct): the final group of boxes is one answer
+SEVERAL_BOXES = [
+    ("(2, 2), (6, 2)", "So $\\boxed{(2, 2)}$ and $\\boxed{(6, 2)}$.", True),
+    ("(2, 2), (6, 2)", "\\boxed{(6, 2)}, \\boxed{(2, 2)}", True),
+    ("\\{1,2,3\\}", "$\\boxed{1},\\boxed{2},\\boxed{3}$", True),
+    ("k = 45, n = 2", "$\\boxed{k = 45} \\quad \\text{and} \\quad \\boxed{n = 2}$", True),
+    ("\\frac{1}{2}, -3", "\\boxed{\\frac{1}{2}} \\text{ or } \\boxed{-3}", True),
+    ("5", "$\\boxed{5}$ or $\\boxed{5}$", True),  # the same part twice counts once
+    ("7", "First $\\boxed{3}$? No: the answer is $\\boxed{7}$.", True),  # words: not one answer
+    # a missing part, an extra part
+    ("(2, 2), (6, 2)", "So $\\boxed{(2, 2)}$.", False),
+    ("\\{1,2,3\\}", "$\\boxed{1},\\boxed{2}$", False),
+    ("(2, 2), (6, 2)", "$\\boxed{(2, 2)}$, $\\boxed{(6, 2)}$ and $\\boxed{(1, 1)}$", False),
+    ("\\{1,2,3\\}", "$\\boxed{1},\\boxed{2},\\boxed{3},\\boxed{4}$", False),
+    ("3", "$\\boxed{2}, \\boxed{3}$", False),
+    ("k = 45, n = 2", "$\\boxed{k = 45}$", False),
+]
+
+
+def test_several_boxes_form_one_answer():
+    results = grade_responses(
+        [f"Reasoning.</think>\n{a}" for _, a, _ in SEVERAL_BOXES],
+        [lab for lab, _, _ in SEVERAL_BOXES],
+    )
+    assert [r.correct for r in results] == [c for _, _, c in SEVERAL_BOXES]
+
+
 def test_text_labels_fail_with_their_own_reason():
     (result,) = grade_responses([r1("0")], ["\\text{Evelyn}"])
     assert result.reason == "text_mismatch" and "text_mismatch" in REASONS
+
+
+@pytest.mark.parametrize(
+    ("label", "text"),
+    [
+        ("\\text{Evelyn}", True),
+        ("east", True),
+        ("\\text{(C)}", True),
+        ("\\textbf{(B)}", True),
+        ("k = 45, n = 2", False),  # assignments are math-verify's
+        ("p = -1 \\text{ and } p = \\frac{15}{8}", False),
+        ("SRAC=LRAC", False),
+        ("3 \\text{ apples}", False),
+        ("x", False),
+    ],
+)
+def test_only_real_text_is_a_text_label(label, text):
+    assert is_text_label(canonical(label)) is text
 
 
 def test_list_labels_may_be_python_lists():
