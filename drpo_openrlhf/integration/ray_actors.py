@@ -159,6 +159,8 @@ class _GroupAwarePPOTrainer(VerifiedSyncTrainer, ppo_trainer.PPOTrainer.__ray_ac
         if self._shaper is not None:
             client_states = {**(client_states or {}), SHAPING_STATE: self._shaper.state_dict()}
         super().save_logs_and_checkpoints(global_step, logs_dict, client_states)
+        if self.tensorboard_logger:  # a run that stops on a fault keeps every step's metrics
+            self.tensorboard_logger.writer.flush()
         max_steps = self.args.drpo_run.max_steps
         if max_steps is not None and global_step >= max_steps:
             raise _MaxStepsReached

@@ -12,10 +12,11 @@ have one manager thread here. Callers, from any number of threads, put jobs on o
 queue and wait on futures. A manager takes a job, sends it to its child and waits at most
 ``timeout_s + grace_s``; inside the child a ``SIGALRM`` timer answers ``"timeout"`` at
 ``timeout_s`` (the common case, the child survives); if the child does not answer by the
-hard deadline it is killed, the job scores ``"timeout"`` and a fresh child is started.
-The deadline starts when a child receives the job, so a batch larger than the pool only
-queues; a caller's wait is bounded because every job a manager takes ends by its
-deadline.
+hard deadline, or dies, it is killed and replaced and the job goes to the fresh child once
+more (a hung or killed worker must not turn a right answer into a wrong one); lost again,
+the job scores ``"timeout"`` (or ``"error"``). The deadline starts when a child receives the
+job, so a batch larger than the pool only queues; a caller's wait is bounded because every
+job a manager takes ends by two deadlines.
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ DEFAULT_GRACE_S = 0.5
 DEFAULT_STARTUP_TIMEOUT_S = 120.0
 DEFAULT_MEMORY_MB = 4096
 _MAX_BACKOFF_S = 30.0
-_CRASHED = (False, "error")  # the outcome of a job whose child died; compared by identity
 
 
 def default_num_workers() -> int:
@@ -151,17 +151,19 @@ class _Slot:
     # -- serving ---------------------------------------------------------------------
 
     def _run(self, job: _Job) -> tuple[bool, str]:
-        """Grades ``job``; a child that dies while grading (killed from outside, or out of
-        memory) is replaced and the job graded once more, so that a lost worker does not
-        turn a right answer into a wrong one."""
-        outcome = self._run_once(job)
-        if outcome is _CRASHED:
-            outcome = self._run_once(job)
+        """Grades ``job``. A child lost while grading (it died: killed from outside or out of
+        memory; or it hung past the hard deadline, where its own SIGALRM could not answer)
+        is replaced and the job graded once more, so that a lost worker does not turn a
+        right answer into a wrong one; lost twice, the job scores ``error`` / ``timeout``."""
+        outcome, lost = self._run_once(job)
+        if lost:
+            outcome, _ = self._run_once(job)
         return outcome
 
-    def _run_once(self, job: _Job) -> tuple[bool, str]:
+    def _run_once(self, job: _Job) -> tuple[tuple[bool, str], bool]:
+        """The outcome, and whether the child was lost with the job."""
         if not self._ensure_started():
-            return False, "error"
+            return (False, "error"), False
         job_id = next(self._ids)
         conn = self.conn
         try:
@@ -169,22 +171,22 @@ class _Slot:
             if not conn.poll(job.timeout_s + self.pool.grace_s):
                 self.pool.count("killed")
                 self._kill()
-                return False, "timeout"
+                return (False, "timeout"), True
             msg = conn.recv()
         except (EOFError, OSError, ValueError):
             self.pool.count("crashed")
             self._kill()
-            return _CRASHED
+            return (False, "error"), True
         if not (
             isinstance(msg, tuple) and len(msg) == 5 and msg[0] == "result" and msg[1] == job_id
         ):
             self._kill()
-            return False, "error"
+            return (False, "error"), False
         _, _, correct, reason, restart = msg
         if restart:
             self.pool.count("restarted")
             self._kill()
-        return bool(correct), str(reason)
+        return (bool(correct), str(reason)), False
 
     def _serve(self) -> None:
         jobs = self.pool.jobs
