@@ -20,7 +20,7 @@ import pytest
 from drpo_openrlhf.data.convert import answer_alternatives
 from drpo_openrlhf.data.readers import read_local
 from drpo_openrlhf.rewards.answer_extraction import normalize_label
-from drpo_openrlhf.rewards.grading import grade_responses
+from drpo_openrlhf.rewards.grading import GradeResult, grade_responses, prepare
 from drpo_openrlhf.rewards.label_forms import decode_alternatives
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
@@ -110,6 +110,16 @@ def test_corpus_is_large_and_two_sided():
     assert len(items) >= 200
     assert {p.truth for p in items} == {True, False}
     assert len({p.style for p in items}) >= 6
+
+
+def test_fast_paths_never_say_wrong():
+    """In the caller's thread a response is only ever accepted, sent to a grader process,
+    or refused for a documented reason (no box, no ``</think>``...), never judged wrong."""
+    documented = {"no_think_end", "no_boxed", "unparsable", "too_long", "bad_label"}
+    outcomes = [prepare(p.response, p.label) for p in pairs()]
+    early = Counter(o.reason for o in outcomes if isinstance(o, GradeResult))
+    assert set(early) <= {"ok"} | documented
+    assert early["ok"] and len(outcomes) > sum(early.values())  # both paths are exercised
 
 
 def test_differences_from_plain_math_verify_are_all_explained(corpus_rows):

@@ -16,7 +16,8 @@ Per response, the first of these that applies is its reason:
    ``bad_label``).
 5. The label's acceptable answers (a list label has several, see ``label_forms``) and the
    boxed answer are normalised (``label_forms.canonical``). Equal normalised text is ``ok``
-   at once, and so is equal text for a label that is really text (``is_text_label``).
+   at once, and so is equal text for a label that is really text (``is_text_label``), and
+   an answer that is exactly the label's value (plain decimals and integer fractions).
    These fast paths only ever say ``ok``: everything else goes to a grader process, which
    compares the normalised forms with math-verify (float rounding scaled to the label's
    magnitude) and, failing that, the label and boxes as written with plain math-verify, so
@@ -37,6 +38,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 
 from drpo_openrlhf.rewards.answer_extraction import answer_part, final_boxes, to_text
 from drpo_openrlhf.rewards.grader_pool import get_pool
@@ -44,6 +46,7 @@ from drpo_openrlhf.rewards.label_forms import (
     canonical,
     decimal_comma,
     decode_alternatives,
+    exact_number,
     gold_forms,
     match_key,
     text_key,
@@ -141,6 +144,7 @@ class _Gold:
     plain: tuple[str, ...]
     match_keys: frozenset[str]
     text_keys: frozenset[str]
+    numbers: frozenset[Fraction]
 
 
 def _make_gold(label: object) -> _Gold:
@@ -151,6 +155,7 @@ def _make_gold(label: object) -> _Gold:
         tuple(decode_alternatives(label)),
         frozenset(match_key(g) for g in math_golds + text_golds),
         frozenset(text_key(g) for g in text_golds),
+        frozenset(n for n in map(exact_number, math_golds) if n is not None),
     )
 
 
@@ -189,6 +194,8 @@ def prepare(response: object, label: object, require_think_end: bool = True) -> 
     if ",".join(match_key(p) for p in canonical_parts) in gold.match_keys:
         return OK
     if gold.text and text_key(", ".join(parts)) in gold.text_keys:
+        return OK
+    if gold.numbers and len(parts) == 1 and exact_number(canonical_parts[0]) in gold.numbers:
         return OK
     readings = [canonical_parts]
     dotted = decimal_comma(canonical_parts[0]) if len(parts) == 1 else None

@@ -19,6 +19,7 @@ import json
 import re
 from collections.abc import Iterable
 from decimal import Decimal, InvalidOperation
+from fractions import Fraction
 
 from drpo_openrlhf.rewards.answer_extraction import normalize_label, to_text
 
@@ -55,6 +56,9 @@ _THOUSANDS = re.compile(r"(?<=\d)(?:,\\!|\{,\})\s*(?=\d{3}(?!\d))")
 # "$125$ miles": the answer in math, a unit or description after it in words.
 _MATH_THEN_WORDS = re.compile(r"\$([^$]+)\$\s*[A-Za-z][A-Za-z .-]*")
 # "1000,99" or "3,14159": one comma with other than three digits after it (no space).
+# A rational number the fast path can compare exactly: 12, -0.75, .5, \frac{3}{4}, -\frac{-3}{4}.
+_FRACTION = re.compile(r"([+-]?)\\frac\s*\{\s*([+-]?\d{1,30})\s*\}\s*\{\s*([+-]?\d{1,30})\s*\}")
+_DECIMAL = re.compile(r"[+-]?(?:\d{1,60}(?:\.\d{0,60})?|\.\d{1,60})")
 _DECIMAL_COMMA = re.compile(r"([+-]?\d+),(\d{1,2}|\d{4,})")
 _TEXT_NOISE = re.compile(r"[\s$(){}.,;:!\\]")
 
@@ -178,6 +182,20 @@ def is_text_label(text: str) -> bool:
     if _CHOICE.fullmatch(inner):
         return True
     return bool(_WORDS.fullmatch(inner) and _WORD.search(inner))
+
+
+def exact_number(text: str) -> Fraction | None:
+    """The value of a (canonical) answer that is one plain decimal or ``\\frac{p}{q}`` of
+    integers, else ``None``. Equal values are equal for math-verify too, so the fast path
+    may call such an answer right without sympy."""
+    text = "".join(text.split())
+    if _DECIMAL.fullmatch(text):
+        return Fraction(text)
+    match = _FRACTION.fullmatch(text)
+    if not match or int(match.group(3)) == 0:
+        return None
+    value = Fraction(int(match.group(2)), int(match.group(3)))
+    return -value if match.group(1) == "-" else value
 
 
 def decimal_comma(text: str) -> str | None:
