@@ -115,7 +115,7 @@ def run_command(args: argparse.Namespace) -> int:
         script = slurm.array_script(sweep, todo, throttle, sweep_file)
         sbatch_args = list(sweep.slurm.get("sbatch_args", []))
         if args.dry_run:
-            print(f"# sbatch --parsable {shlex.join(sbatch_args)} <this script>".replace("  ", " "))
+            print(f"# sbatch {shlex.join(['--parsable', *sbatch_args])} <this script>")
             print(script, end="")
             return 0
         save_resolved(sweep, args.seeds)

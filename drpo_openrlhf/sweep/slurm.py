@@ -99,10 +99,13 @@ def queue_states(job_ids: set[str]) -> dict[str, str]:
     """``{"<array id>_<task>": state}`` of the given arrays' tasks still known to Slurm."""
     if not job_ids:
         return {}
-    result = subprocess.run(
-        ["squeue", "-h", "-r", "-o", "%i %T", "-j", ",".join(sorted(job_ids))],
-        capture_output=True,
-        text=True,
-    )
+    try:
+        result = subprocess.run(
+            ["squeue", "-h", "-r", "-o", "%i %T", "-j", ",".join(sorted(job_ids))],
+            capture_output=True,
+            text=True,
+        )
+    except FileNotFoundError:
+        raise RuntimeError("runs were submitted to Slurm, but there is no squeue here") from None
     pairs = (line.split() for line in result.stdout.splitlines())
     return {p[0]: p[1] for p in pairs if len(p) == 2 and re.fullmatch(r"\d+_\d+", p[0])}

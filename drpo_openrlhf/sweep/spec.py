@@ -94,7 +94,6 @@ class Sweep:
     name: str
     source: Path
     output_dir: Path
-    seeds: tuple[int, ...]
     train_flags: tuple[str, ...]
     eval_flags: tuple[str, ...]
     eval_datasets: tuple[str, ...] | None
@@ -338,7 +337,6 @@ def parse_sweep(data: dict[str, Any], source: Path, problems: list[str]) -> Swee
         name=name,
         source=source,
         output_dir=Path(output_dir).expanduser().resolve(),
-        seeds=tuple(seeds),
         train_flags=_strings(train.get("flags", []), "[train] flags", problems),
         eval_flags=_strings(evaluation.get("flags", []), "[eval] flags", problems),
         eval_datasets=datasets,
