@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from drpo_openrlhf import train
-from drpo_openrlhf.demo.run import RLConfig, shared_flags
+from drpo_openrlhf.demo.run import DemoConfig, RLConfig, shared_flags
 from drpo_openrlhf.eval.metrics import aes
 from drpo_openrlhf.eval.plot import plot_tradeoff
 from drpo_openrlhf.sweep import state
@@ -22,6 +22,7 @@ from drpo_openrlhf.sweep.report import write_report
 from drpo_openrlhf.sweep.spec import SweepError
 from drpo_openrlhf.sweep.status import run_states
 from drpo_openrlhf.sweep.validate import load_sweep
+from drpo_openrlhf.tiny_model import build_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "slurm" / "drpo_1.5b.sh"
@@ -337,3 +338,22 @@ def test_figure_draws_seeds_of_a_setting_as_one_point_with_error_bars() -> None:
         [60.0, 0.4],
         [60.0, 0.6],
     ]
+
+
+def test_toy_writes_the_demo_s_inputs_and_a_runnable_sweep(tmp_path: Path, capsys) -> None:
+    """Bases already there are kept, so this test skips the minutes of SFT (test_demo and the
+    e2e tests run it)."""
+    for seed in (0, 1):
+        build_tiny_model(tmp_path / "toy" / f"seed{seed}" / "base")
+    assert main(["toy", str(tmp_path / "toy"), "--seeds", "0", "1", "--quick", "--steps", "4"]) == 0
+    path = tmp_path / "toy" / "sweep.toml"
+    assert str(path) in capsys.readouterr().out
+    rows = (tmp_path / "toy" / "seed1" / "eval.jsonl").read_text().splitlines()
+    assert len(rows) == 2 * DemoConfig.quick().eval_problems_per_dataset  # add2, add3
+    sweep = load_sweep(path, "local")  # every training command parses
+    trained = [r for r in sweep.runs if r.trains]
+    assert len(trained) == 2 * (4 + 1 + 3)  # lambdas 0.05-0.5, DisCO, RLOO-LP alphas; 2 seeds
+    assert [r.name for r in sweep.runs if not r.trains] == ["base-s0", "base-s1"]
+    assert trained[-1].train_data == str(tmp_path / "toy" / "seed1" / "train.jsonl")
+    assert sweep.train_flags[sweep.train_flags.index("--drpo.max_steps") + 1] == "4"
+    assert sweep.eval_flags[:2] == ("--backend", "hf")  # the demo evaluates with HF on CPU

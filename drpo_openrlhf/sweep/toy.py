@@ -22,16 +22,17 @@ METHODS = (
 
 
 def build_seed(config: DemoConfig, root: Path) -> None:
-    """The seed's problems and SFT base in ``root`` (kept when already built)."""
+    """The seed's problems, and its SFT base in ``root`` unless one is there already (the
+    minutes of SFT are not repeated when the sweep file is written again)."""
     from drpo_openrlhf.demo.sft import train_sft
     from drpo_openrlhf.demo.toy_model import build_toy_model
     from drpo_openrlhf.demo.toy_task import sample_traces, write_jsonl
 
-    if (root / "base" / "config.json").is_file():
-        return
     train_problems, eval_problems = make_problems(config)
     write_jsonl(train_problems, root / "train.jsonl")
     write_jsonl(eval_problems, root / "eval.jsonl")
+    if (root / "base" / "config.json").is_file():
+        return
     init = build_toy_model(
         root / "init",
         hidden_size=config.hidden_size,
