@@ -166,12 +166,14 @@ def test_a_rollout_with_an_unscored_response_stops():
 # --- updates, paths ----------------------------------------------------------------------
 
 
-def test_a_non_finite_gradient_norm_stops_the_run():
+def test_a_non_finite_gradient_norm_or_a_skipped_step_stops_the_run():
     check_finite_update(0.5)
     check_finite_update(None)
     for norm in (math.nan, math.inf, torch.tensor(math.nan)):
         with pytest.raises(NonFiniteUpdateError, match="before these weights are used"):
             check_finite_update(norm)
+    with pytest.raises(NonFiniteUpdateError, match="skipped by DeepSpeed"):
+        check_finite_update(2.37, skipped=True)  # ZeRO-1/2/3 keep the last step's norm
 
 
 def test_checkpoint_path_under_a_file_is_refused(tmp_path):

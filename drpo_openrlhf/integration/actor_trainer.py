@@ -393,8 +393,11 @@ class DRPOActorTrainer(ActorPPOTrainer):
         scale = engine.gradient_accumulation_steps() * dist.get_world_size()
         self.strategy.backward(loss * scale, self.actor, self.actor_optim)
         if last:
+            skipped = engine.skipped_steps
             self.strategy.optimizer_step(self.actor_optim, self.actor, self.actor_scheduler)
-            check_finite_update(self.strategy.get_grad_norm(self.actor))
+            check_finite_update(
+                self.strategy.get_grad_norm(self.actor), engine.skipped_steps > skipped
+            )
             # OpenRLHF's training_step calls moving_average once per micro-batch and it acts
             # on every accumulated_gradient-th call (every call under dynamic batching);
             # call it that often per optimizer step, so that it acts once, here
@@ -443,15 +446,18 @@ class NonFiniteUpdateError(FloatingPointError):
     """An optimizer step whose gradient is NaN or infinite."""
 
 
-def check_finite_update(grad_norm: float | Tensor | None) -> None:
+def check_finite_update(grad_norm: float | Tensor | None, skipped: bool = False) -> None:
     """Stop the run after an optimizer step with a NaN or infinite gradient (a NaN loss makes
-    one). The global norm is the same on every rank, so all ranks stop together; the stop
-    comes before the step's weights are sent to vLLM or saved, so the last checkpoint holds
-    the last finite weights. ``None``: DeepSpeed computed no norm (nothing to check)."""
-    if grad_norm is not None and not math.isfinite(float(grad_norm)):
+    one). ZeRO-1/2/3 find such a gradient themselves and skip the step silently, even in
+    bf16, leaving the last norm in place (``skipped``: DeepSpeed's ``skipped_steps`` grew);
+    ZeRO-0 applies it and reports a non-finite norm. Both are the same on every rank, so all
+    ranks stop together, before the step's weights are sent to vLLM or saved: the last
+    checkpoint holds the last finite weights. ``None``: no norm computed (nothing to check)."""
+    if skipped or (grad_norm is not None and not math.isfinite(float(grad_norm))):
+        what = "skipped by DeepSpeed" if skipped else f"of norm {float(grad_norm)}"
         raise NonFiniteUpdateError(
-            f"the gradient norm of an optimizer step is {float(grad_norm)} (a NaN or infinite "
-            "loss, reward or activation): stopping before these weights are used or saved"
+            f"an optimizer step's gradient is not finite ({what}: a NaN or infinite loss, "
+            "reward or activation): stopping before these weights are used or saved"
         )
 
 
@@ -459,8 +465,10 @@ class FiniteCheckedPPOTrainer(ActorPPOTrainer):
     """OpenRLHF's PPO update (the baselines) with ``check_finite_update`` after each step."""
 
     def training_step(self, *args, **kwargs):
+        skipped = self.actor.model.skipped_steps
         status = super().training_step(*args, **kwargs)
-        check_finite_update(status["metrics"].get("actor_grad_norm"))
+        grew = self.actor.model.skipped_steps > skipped
+        check_finite_update(status["metrics"].get("actor_grad_norm"), grew)
         return status
 
 
