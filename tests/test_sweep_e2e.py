@@ -21,7 +21,9 @@ import pytest
 from drpo_openrlhf.demo.run import DemoConfig, shared_flags
 from drpo_openrlhf.sweep.toy import eval_flags
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+# Three trainings, four evaluations and (alone) the toy's SFT: about 5 minutes on the 2-core
+# machine by itself, several times that while other suites share it
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(2400)]
 
 STEPS = 5
 
@@ -79,14 +81,14 @@ def test_local_sweep_kill_and_resume(toy, tmp_path: Path) -> None:
     drpo_log = out / "drpo-lambda0.1-s0" / "train.log"
 
     first = sweep("run", str(path), "--backend", "local")
-    deadline = time.monotonic() + 400
+    deadline = time.monotonic() + 900  # hang guards only: generous for a shared machine
     while "Global step 1:" not in (drpo_log.read_text() if drpo_log.exists() else ""):
         assert first.poll() is None, first.stdout.read()
         assert time.monotonic() < deadline, "DRPO never logged its first step"
         time.sleep(0.2)
     (trainer,) = children(first.pid, "drpo_openrlhf.train")
     os.kill(trainer, signal.SIGKILL)
-    output, _ = first.communicate(timeout=600)
+    output, _ = first.communicate(timeout=1500)
     assert first.returncode == 1, output
     assert "drpo-lambda0.1-s0 FAILED" in output and "1 run(s) failed" in output
 
@@ -98,7 +100,7 @@ def test_local_sweep_kill_and_resume(toy, tmp_path: Path) -> None:
     finished_at = json.loads(disco_marker.read_text())["finished"]
 
     second = sweep("run", str(path), "--backend", "local")
-    output, _ = second.communicate(timeout=600)
+    output, _ = second.communicate(timeout=1500)
     assert second.returncode == 0, output
     assert "skip base: done" in output and "skip disco-s0: done" in output
     assert "1 to submit" in output and "[1/1] drpo-lambda0.1-s0" in output
