@@ -14,8 +14,7 @@ Measures, on this machine:
    per-call latency.
 3. Plain math-verify in one process (its main thread, its own signal timeouts): extract the
    box, ``parse`` label and answer, ``verify``; the baseline the pool is compared with
-   (ratio printed; the goal is >= 2x in OpenRLHF's call pattern), once after the plugin
-   phase and in ``--rounds`` paired rounds (fresh problems, alternating order).
+   (ratio printed; the goal is >= 2x in OpenRLHF's call pattern).
 4. The "unbounded" style for comparison (math-verify called directly in worker threads,
    its signal-based timeouts disabled because they cannot work off the main thread;
    this is how a thread-pool reward manager like the authors' verl/DeepScaleR one ends
@@ -250,27 +249,6 @@ def bench_plain(responses, labels):
     return time.perf_counter() - start, outs
 
 
-def paired_rounds(prompt: str, args: argparse.Namespace) -> list[float]:
-    """plugin / plain throughput ratios of ``args.rounds`` rounds, each grading fresh
-    problems with both, the two back to back in alternating order. On a machine shared
-    with other jobs the load moves during a run; pairing keeps it alike on both sides of
-    each ratio, which the single phases above do not."""
-    n = max(args.group, args.n // args.rounds)
-    ratios = []
-    for k in range(args.rounds):
-        plugin_data = make_responses(n, args.tokens, args.group, seed=100 + 2 * k)
-        plain_data = make_responses(n, args.tokens, args.group, seed=101 + 2 * k)
-        rates = {}
-        for side in ("plugin", "plain") if k % 2 == 0 else ("plain", "plugin"):
-            if side == "plugin":
-                elapsed = bench_openrlhf_style(prompt, *plugin_data[:2], args.threads)[0]
-            else:
-                elapsed = bench_plain(*plain_data[:2])[0]
-            rates[side] = n / elapsed
-        ratios.append(rates["plugin"] / rates["plain"])
-    return ratios
-
-
 def bench_unbounded_threads(responses, labels, threads):
     from math_verify import parse
 
@@ -344,7 +322,6 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=32, help="concurrent reward calls")
     parser.add_argument("--timeout", type=float, default=math_reward.DEFAULT_TIMEOUT_S)
     parser.add_argument("--unbounded-cap", type=float, default=60.0)
-    parser.add_argument("--rounds", type=int, default=5, help="paired plugin/plain rounds")
     parser.add_argument("--quick", action="store_true", help="n=200, cap 10 s")
     parser.add_argument("--json", type=Path, help="also write the numbers here")
     args = parser.parse_args()
@@ -422,13 +399,6 @@ def main() -> None:
     print(
         f"[plain] single-process math-verify: {args.n / elapsed:,.0f} responses/s; "
         f"plugin / plain = {report['plain_single_process']['plugin_over_plain']:.2f}x"
-    )
-    ratios = paired_rounds(prompt, args)
-    report["paired_rounds"] = {"plugin_over_plain": ratios, "median": statistics.median(ratios)}
-    print(
-        f"[paired] plugin / plain in {args.rounds} alternating rounds: "
-        + ", ".join(f"{r:.2f}x" for r in ratios)
-        + f"; median {statistics.median(ratios):.2f}x"
     )
 
     responses, labels, kinds = data[2]
