@@ -321,6 +321,7 @@ def test_report_frontier_aes_and_pushed_down(inputs: Path) -> None:
     markdown = (sweep.output_dir / "report.md").read_text()
     assert "| DRPO lambda=0.1 | 0,1 | 50.0 (45.0..55.0) | 60.0 (50.0..70.0) |" in markdown
     assert "| rloo_lp-alpha0.2-s0 | 0 | 40.0 | 60.0 | 5.0% |" in markdown
+    assert "| DRPO lambda=inf (DisCO) | 0,1 | 47.0 (44.0..50.0) | 85.0 (80.0..90.0) |" in markdown
     assert (sweep.output_dir / "frontier.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -112,7 +112,8 @@ def _cell(value: Mapping[str, float] | None, scale: float = 1.0, digits: int = 1
 def _label(row: Mapping) -> str:
     if row.get("param") is None:
         return str(row["method"])
-    return f"{row['method']} {row.get('param_name') or ''}={row['param']}"
+    label = f"{row['method']} {row.get('param_name') or ''}={row['param']}"
+    return f"{label} (DisCO)" if row.get("role") == "reference" else label
 
 
 def markdown(report: Mapping[str, Any]) -> str:
@@ -138,7 +139,9 @@ def markdown(report: Mapping[str, Any]) -> str:
         seeds = ",".join("-" if s is None else str(s) for s in row["seeds"])
         lines.append(f"| {_label(row)} | {seeds} | " + " | ".join(cells) + " |")
     lines += ["", "## AES against DisCO (same seed)", ""]
-    if report["aes"]:
+    if not report["aes"]:
+        lines.append("No run to score yet.")
+    else:
         columns = [
             c for c in report["aes"][0] if c not in ("method", "param_name", "param", "seeds")
         ]
@@ -171,8 +174,9 @@ def markdown(report: Mapping[str, Any]) -> str:
     ]
     for run in report["runs"]:
         pushed = "-" if run["pushed_down"] is None else f"{100 * run['pushed_down']:.1f}%"
+        seed = "-" if run["seed"] is None else run["seed"]
         lines.append(
-            f"| {run['name']} | {run['seed']} | {100 * run['pass@1']:.1f} | "
+            f"| {run['name']} | {seed} | {100 * run['pass@1']:.1f} | "
             f"{run['mean_length']:.1f} | {pushed} |"
         )
     if report["unfinished"]:
