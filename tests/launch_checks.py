@@ -18,9 +18,15 @@ REPO = Path(__file__).resolve().parents[1]
 FAKE_BIN = REPO / "tests" / "fakeslurm"
 LAUNCHER = REPO / "slurm" / "launch_ray_job.sh"
 RECIPES = {
-    "1.5b": dict(model="deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", lr=2e-6, zero=2, micro=4, rollout_micro=8),
-    "7b": dict(model="deepseek-ai/DeepSeek-R1-Distill-Qwen-7B", lr=1e-6, zero=3, micro=2, rollout_micro=4),
-    "8b": dict(model="deepseek-ai/DeepSeek-R1-Distill-Llama-8B", lr=5e-7, zero=3, micro=2, rollout_micro=4),
+    "1.5b": dict(
+        model="deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", lr=2e-6, zero=2, micro=4, rollout_micro=8
+    ),
+    "7b": dict(
+        model="deepseek-ai/DeepSeek-R1-Distill-Qwen-7B", lr=1e-6, zero=3, micro=2, rollout_micro=4
+    ),
+    "8b": dict(
+        model="deepseek-ai/DeepSeek-R1-Distill-Llama-8B", lr=5e-7, zero=3, micro=2, rollout_micro=4
+    ),
 }
 EVAL_SETS = ("aime2024", "aime2025", "amc", "math500")
 DEEPSCALER_PROMPTS = 40315  # 314 whole rollouts of 128 prompts, and 123 left over

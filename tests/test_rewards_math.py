@@ -220,7 +220,9 @@ def test_stuck_child_is_killed_and_replaced():
         assert pool.grade_many([("2", "2")], timeout_s=1.0) == [(True, "ok")]
         start = time.monotonic()
         assert pool.grade_many([("2", "HANG")], timeout_s=1.0) == [(False, "timeout")]
-        assert time.monotonic() - start < 2 * (1.0 + 0.5) + 1.0
+        # two hard deadlines, and the fresh child's start-up between them (up to 3.4 s
+        # measured with the machine loaded: docs/status.md), with the same again as slack
+        assert time.monotonic() - start < 2 * (1.0 + 0.5) + 2 * 3.4
         assert pool.counts["killed"] == 2
         assert pool.grade_many([("0.5", "\\frac12")], timeout_s=1.0) == [(True, "ok")]
         assert pool.grade_many([("2", "CRASH")], timeout_s=1.0) == [(False, "error")]
