@@ -166,6 +166,16 @@ def test_a_rollout_with_an_unscored_response_stops():
 # --- updates, paths ----------------------------------------------------------------------
 
 
+def test_a_response_without_tokens_is_refused():
+    """vLLM never returns an empty response; a hand-made rollout with one is an error, not a
+    0/0 score."""
+    from drpo_openrlhf.algo.scores import sequence_scores
+
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0]])
+    with pytest.raises(ValueError, match="at least one token"):
+        sequence_scores(torch.zeros(2, 3), mask)
+
+
 def test_a_non_finite_gradient_norm_or_a_skipped_step_stops_the_run():
     check_finite_update(0.5)
     check_finite_update(None)

@@ -34,7 +34,7 @@ from drpo_openrlhf.eval.tensorboard_logs import read_scalars
 pytestmark = [pytest.mark.faults, pytest.mark.e2e, pytest.mark.slow]
 
 SITE = Path(__file__).parent / "fault_site"
-REWARD_TIMEOUT_S = 20  # the guard's limit in these runs (DRPO_REWARD_TIMEOUT_S)
+REWARD_TIMEOUT_S = 20  # the guard's limit in these runs (DRPO_REWARD_CALL_TIMEOUT_S)
 STOP = "drpo_openrlhf: the run stopped: "
 
 
@@ -49,7 +49,7 @@ def ray_address(fault_file):
     with pytest.MonkeyPatch.context() as env:
         env.setenv("PYTHONPATH", str(SITE))
         env.setenv("DRPO_TEST_FAULT_FILE", str(fault_file))
-        env.setenv("DRPO_REWARD_TIMEOUT_S", str(REWARD_TIMEOUT_S))
+        env.setenv("DRPO_REWARD_CALL_TIMEOUT_S", str(REWARD_TIMEOUT_S))
         with local_ray_cluster(num_gpus=3) as address:
             yield address
 

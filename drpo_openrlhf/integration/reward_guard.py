@@ -24,9 +24,11 @@ from collections.abc import Callable
 import torch
 
 logger = logging.getLogger(__name__)
-TIMEOUT_ENV = "DRPO_REWARD_TIMEOUT_S"
-# 58x the slowest answer the project's math grader took on adversarial inputs (5.12 s,
-# docs/rewards.md), which bounds its own calls; a plugin needing longer sets the variable.
+TIMEOUT_ENV = "DRPO_REWARD_CALL_TIMEOUT_S"
+# The project's math grader bounds a call by two 5 s deadlines and a worker's start-up
+# (docs/rewards.md; the slowest adversarial answer measured took 5.16 s): 300 s leaves any
+# plugin a wide margin and still ends a hang within minutes. A slower plugin sets the
+# variable. (``DRPO_REWARD_TIMEOUT_S`` is the math grader's own per-answer deadline.)
 DEFAULT_TIMEOUT_S = 300.0
 
 
