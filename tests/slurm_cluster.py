@@ -22,6 +22,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 PACKAGES = ("slurm-wlm", "munge")
@@ -295,3 +296,21 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
             os.kill(pid, signal.SIGKILL)
         shutil.rmtree(self.dir, ignore_errors=True)
         return left
+
+
+def module_cluster() -> Iterator[SlurmCluster]:
+    """A module's Slurm cluster (``yield from`` it in a module-scoped fixture): skipped where
+    Slurm cannot run, and no process of it may outlive it."""
+    import pytest
+
+    reason = missing_reason()
+    if reason:
+        pytest.skip(reason)
+    ensure_installed()
+    slurm = SlurmCluster()
+    try:
+        slurm.start()
+        yield slurm
+    finally:
+        left = slurm.stop()
+    assert left == [], f"processes of the test cluster outlived it: {left}"

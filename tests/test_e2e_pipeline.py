@@ -37,8 +37,9 @@ def ray_address():
         yield address
 
 
-def leftovers() -> list[str]:
-    """Command lines of this session's Ray actor and vLLM engine processes still alive."""
+def session_processes(markers=LEFTOVER_MARKERS) -> list[tuple[int, str]]:
+    """(pid, command line) of this test session's processes whose command line holds one of
+    ``markers``."""
     found = []
     for proc in Path("/proc").glob("[0-9]*"):
         try:
@@ -46,9 +47,14 @@ def leftovers() -> list[str]:
             mine = SESSION_MARK in (proc / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if mine and any(marker in line for marker in LEFTOVER_MARKERS):
-            found.append(line.strip())
+        if mine and any(marker in line for marker in markers):
+            found.append((int(proc.name), line.strip()))
     return found
+
+
+def leftovers() -> list[str]:
+    """Command lines of this session's Ray actor and vLLM engine processes still alive."""
+    return [line for _, line in session_processes()]
 
 
 def train_command(toy, out: Path, *flags: str, steps: int = 2) -> list[str]:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from test_e2e_pipeline import (
     LEFTOVER_MARKERS,
-    SESSION_MARK,
+    session_processes,
     train_command,
     train_env,
     wait_for_no_leftovers,
@@ -67,17 +67,8 @@ def inject(fault_file):
 
 
 def run_pids(markers=LEFTOVER_MARKERS) -> list[int]:
-    """This test session's Ray actor and vLLM processes."""
-    found = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            line = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            mine = SESSION_MARK in (proc / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if mine and any(m in line for m in markers):
-            found.append(int(proc.name))
-    return found
+    """This test session's Ray actor and vLLM processes (or those matching ``markers``)."""
+    return [pid for pid, _ in session_processes(markers)]
 
 
 def latest(out: Path) -> str | None:

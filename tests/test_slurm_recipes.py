@@ -31,7 +31,7 @@ from launch_checks import (
     recipe,
     write_data,
 )
-from slurm_cluster import NODES, SlurmCluster, ensure_installed, missing_reason
+from slurm_cluster import NODES, SlurmCluster, module_cluster
 
 from drpo_openrlhf.eval.tensorboard_logs import read_scalars
 
@@ -40,17 +40,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def cluster():
-    reason = missing_reason()
-    if reason:
-        pytest.skip(reason)
-    ensure_installed()
-    slurm = SlurmCluster()
-    try:
-        slurm.start()
-        yield slurm
-    finally:
-        left = slurm.stop()
-    assert left == [], f"processes of the test cluster outlived it: {left}"
+    yield from module_cluster()
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from launch_checks import FAKE_BIN, REPO
-from slurm_cluster import SlurmCluster, ensure_installed, missing_reason
+from slurm_cluster import SlurmCluster, module_cluster
 
 from drpo_openrlhf.tiny_model import build_tiny_model
 
@@ -51,17 +51,7 @@ sys.exit(child.returncode)
 
 @pytest.fixture(scope="module")
 def cluster():
-    reason = missing_reason()
-    if reason:
-        pytest.skip(reason)
-    ensure_installed()
-    slurm = SlurmCluster()
-    try:
-        slurm.start()
-        yield slurm
-    finally:
-        left = slurm.stop()
-    assert left == [], f"processes of the test cluster outlived it: {left}"
+    yield from module_cluster()
 
 
 def write_inputs(tmp_path: Path) -> Path:

@@ -35,6 +35,7 @@ import resource
 import signal
 import warnings
 from collections import OrderedDict
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 _GOLD_CACHE_SIZE = 4096
@@ -99,19 +100,27 @@ class _Grader:
     def _parse_boxed(self, latex: str) -> list:
         return self._parse("\\boxed{" + latex + "}", parsing_timeout=None)
 
-    def _gold(self, gold: str) -> tuple[list, int, bool]:
-        """The parsed label (parsed once, then cached), its float rounding, and whether the
-        parse is faithful (a label with letters must not become a bare number)."""
-        entry = self._gold_cache.get(gold, _MISSING)
+    def _cached(self, key: str, make: Callable[[], object]):
+        """``make()``, kept for ``key`` in a bounded LRU: a group's responses share a label."""
+        entry = self._gold_cache.get(key, _MISSING)
         if entry is _MISSING:
-            parsed = self._parse_boxed(gold)
-            entry = (parsed, _float_rounding(parsed), _faithful(gold, parsed))
-            self._gold_cache[gold] = entry
+            entry = make()
+            self._gold_cache[key] = entry
             if len(self._gold_cache) > _GOLD_CACHE_SIZE:
                 self._gold_cache.popitem(last=False)
         else:
-            self._gold_cache.move_to_end(gold)
+            self._gold_cache.move_to_end(key)
         return entry
+
+    def _gold(self, gold: str) -> tuple[list, int, bool]:
+        """The parsed label, its float rounding, and whether the parse is faithful (a label
+        with letters must not become a bare number)."""
+
+        def make() -> tuple[list, int, bool]:
+            parsed = self._parse_boxed(gold)
+            return parsed, _float_rounding(parsed), _faithful(gold, parsed)
+
+        return self._cached(gold, make)
 
     def _parse_parts(self, parts: tuple[str, ...]) -> list:
         """The boxes of one answer parsed as math-verify parses ``\\boxed{a}, \\boxed{b}``:
@@ -206,17 +215,8 @@ class _Grader:
         return veto
 
     def _plain_gold(self, gold: str) -> list:
-        """A label as written, parsed once (cached beside the normalised forms)."""
-        key = "\0plain\0" + gold
-        entry = self._gold_cache.get(key, _MISSING)
-        if entry is _MISSING:
-            entry = self._parse_boxed(gold)
-            self._gold_cache[key] = entry
-            if len(self._gold_cache) > _GOLD_CACHE_SIZE:
-                self._gold_cache.popitem(last=False)
-        else:
-            self._gold_cache.move_to_end(key)
-        return entry
+        """A label as written, parsed (cached beside the normalised forms)."""
+        return self._cached("\0plain\0" + gold, lambda: self._parse_boxed(gold))
 
 
 def _float_rounding(parsed: list) -> int:
