@@ -211,13 +211,14 @@ REWARD_FAULTS = {
 
 
 def faulty_reward_file(folder: Path, statement: str) -> Path:
-    """The math reward, except for responses whose label is 3: ``statement``."""
+    """The math reward, except for responses whose label is 3, 4 or 5 (in every rollout of
+    the toy): ``statement``."""
     file = folder / "reward.py"
     file.write_text(
         "import time\nfrom math import nan\n\nimport torch\n\n"
         "from drpo_openrlhf.rewards.math_reward import reward_func as math_reward\n\n\n"
         "def reward_func(queries, prompts, labels, **kwargs):\n"
-        "    if str(labels[0]) == '3':\n"
+        "    if str(labels[0]) in ('3', '4', '5'):\n"
         f"        {statement}\n"
         "    return math_reward(queries, prompts, labels, **kwargs)\n"
     )
@@ -240,7 +241,13 @@ def test_a_faulty_reward_function_stops_the_run(toy, ray_address, inject, tmp_pa
     assert "reward_func failed for the prompt" in output and cause in output
     line = stop_line(output)
     assert "RewardError: the reward function gave no finite reward" in line
-    assert "No complete checkpoint" in line
+    # the faulty rollout (step 1 or 2, as the prompts come) is never trained on: the last
+    # checkpoint the line names is the last step trained
+    logged = read_scalars(tmp_path / "tb").get("train/drpo/objective", {})
+    trained = max(logged, default=0)
+    assert trained < 2
+    named = f"Last complete checkpoint: {tmp_path / 'ckpt' / '_actor' / 'global_step1'};"
+    assert (named if trained else "No complete checkpoint") in line, line
 
 
 def test_grader_workers_killed_or_stopped_are_replaced(toy, ray_address, inject, tmp_path):
