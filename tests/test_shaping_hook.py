@@ -109,6 +109,7 @@ def test_hapo_history_across_steps_and_checkpoint(monkeypatch):
     trainer.experience_maker = first
     trainer.args = first.args
     trainer.args.drpo_run = type("Run", (), {"max_steps": None})()
+    trainer.wandb_logger = trainer.tensorboard_logger = None
     saved = {}
     base = OPENRLHF_TRAINER
     monkeypatch.setattr(
