@@ -182,8 +182,7 @@ def add_drpo_arguments(parser: argparse.ArgumentParser) -> None:
         default=memory_plan.DEFAULT_CAPACITY_GIB,
         help="memory of one GPU; the run is refused when its estimated peak needs more than "
         f"{round(100 * (1 - memory_plan.HEADROOM))}%% of it (0: no check; default "
-        "%(default).1f, an 80 GB "
-        "card: docs/launch.md, Memory plan)",
+        "%(default).1f, an 80 GB card: docs/launch.md, Memory plan)",
     )
     g.add_argument(
         "--drpo.device",
@@ -345,6 +344,8 @@ def parse(argv: list[str]) -> tuple[DRPOConfig, SimpleNamespace, list[str]]:
         device=getattr(args, "drpo.device"),
         verify_weight_sync=getattr(args, "drpo.verify_weight_sync"),
         logprob_chunk_tokens=getattr(args, "drpo.logprob_chunk_tokens"),
+        ckpt_path=getattr(args, "ckpt.path"),
+        resume=getattr(args, "ckpt.load_enable"),
     )
     try:
         if method:  # PPO on shaped rewards: OpenRLHF validates its own flags
@@ -370,14 +371,13 @@ def main(argv: list[str] | None = None) -> None:
         print("No GPU memory estimate: --drpo.gpu_memory_gib 0, or no config.json for the model")
     from drpo_openrlhf.integration.launch import run_openrlhf
 
-    ckpt = vars(build_parser().parse_known_args(openrlhf_argv)[0])
-    if ckpt["ckpt.load_enable"]:
-        print(f"drpo_openrlhf: {prepare_resume(ckpt['ckpt.path'])}", flush=True)
+    if run.resume:
+        print(f"drpo_openrlhf: {prepare_resume(run.ckpt_path)}", flush=True)
     try:
         run_openrlhf(openrlhf_argv, config, run)
     except Exception as error:
         traceback.print_exc()
-        message = stop_message(error, ckpt["ckpt.path"])
+        message = stop_message(error, run.ckpt_path)
         print(f"drpo_openrlhf: {message}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
 
