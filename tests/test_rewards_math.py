@@ -7,7 +7,7 @@ import sys
 import textwrap
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -308,3 +308,49 @@ def test_pool_that_cannot_start_fails_fast(tmp_path):
         assert time.monotonic() - start < 20
     finally:
         pool.close()
+
+
+class _SlowFakePool:
+    """Answers every job ``outcome`` after ``delay_s``, counting submissions."""
+
+    def __init__(self, outcome: tuple[bool, str], delay_s: float = 0.3):
+        self.outcome, self.delay_s, self.submitted = outcome, delay_s, []
+
+    def submit(self, gold, pred, timeout_s):
+        future = Future()
+        self.submitted.append(pred)
+        threading.Timer(self.delay_s, future.set_result, [self.outcome]).start()
+        return future
+
+    def wait(self, future):
+        return future.result(timeout=10)
+
+    def grade_many(self, pairs, timeout_s):
+        return [self.wait(self.submit(gold, pred, timeout_s)) for gold, pred in pairs]
+
+
+@pytest.mark.parametrize(
+    ("outcome", "cached"), [((False, "wrong"), True), ((False, "timeout"), False)]
+)
+def test_concurrent_repeats_share_one_grading(monkeypatch, outcome, cached):
+    """OpenRLHF grades a group's responses in concurrent one-sample calls: a repeated answer
+    that is being graded is waited for, not graded again; a final verdict is then cached,
+    a timeout is not."""
+    from drpo_openrlhf.rewards import grading
+
+    pool = _SlowFakePool(outcome)
+    monkeypatch.setattr(grading, "get_pool", lambda: pool)
+    label = f"{time.monotonic_ns()}\\sqrt{{2}}"  # a label no other test has graded
+    response = r1("\\sqrt{3}")
+    start = threading.Barrier(16)
+
+    def call():
+        start.wait()
+        return grade_responses([response], [label])[0]
+
+    with ThreadPoolExecutor(max_workers=16) as ex:
+        results = list(ex.map(lambda _: call(), range(16)))
+    assert {r.reason for r in results} == {outcome[1]}
+    assert len(pool.submitted) == 1
+    grade_responses([response], [label])
+    assert len(pool.submitted) == (1 if cached else 2)

@@ -37,6 +37,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -97,29 +98,46 @@ prediction's normalised readings (each a tuple of box contents) and its boxes as
 
 
 class _Verdicts:
-    """math-verify's verdicts per job, most recent first out last: the responses of a
-    group often repeat one answer string, which is then graded once."""
+    """math-verify's verdicts per job (least recently used out first), and the jobs being
+    graded now. The responses of a group often repeat one answer string, and OpenRLHF
+    grades them in concurrent one-sample calls: a repeat takes the cached verdict, or waits
+    for the grading already under way, instead of being graded again."""
 
     def __init__(self, size: int):
         self.size = size
         self._items: OrderedDict[Job, GradeResult] = OrderedDict()
+        self._running: dict[tuple[Job, bool, float], Future] = {}
         self._lock = threading.Lock()
 
-    def get(self, key: Job) -> GradeResult | None:
+    def find_or_submit(
+        self, job: Job, text_only: bool, timeout_s: float
+    ) -> GradeResult | tuple[tuple[Job, bool, float], Future]:
+        """The cached verdict, or the key and future of the grading of ``job`` (started
+        here unless another call already did)."""
+        key = (job, text_only, timeout_s)
         with self._lock:
-            result = self._items.get(key)
+            result = self._items.get(job)
             if result is not None:
-                self._items.move_to_end(key)
-            return result
+                self._items.move_to_end(job)
+                return result
+            future = self._running.get(key)
+            if future is None:
+                future = get_pool().submit(job[0], job[1], timeout_s)
+                self._running[key] = future
+            return key, future
 
-    def put(self, key: Job, result: GradeResult) -> None:
-        if result.reason not in _FINAL_REASONS:
-            return
+    def finish(self, key: tuple[Job, bool, float], future: Future, result: GradeResult) -> None:
+        """Caches a final verdict, then forgets the running job (in that order, so that a
+        concurrent repeat finds one or the other)."""
+        job = key[0]
         with self._lock:
-            self._items[key] = result
-            self._items.move_to_end(key)
-            if len(self._items) > self.size:
-                self._items.popitem(last=False)
+            if result.reason in _FINAL_REASONS:
+                self._items[job] = result
+                self._items.move_to_end(job)
+                if len(self._items) > self.size:
+                    self._items.popitem(last=False)
+            if self._running.get(key) is future:
+                del self._running[key]
 
 
 _verdicts = _Verdicts(_VERDICT_CACHE_SIZE)
@@ -227,33 +245,29 @@ def grade_responses(
         raise ValueError(f"timeout_s must be a positive number, got {timeout_s}")
 
     results: list[GradeResult | None] = [None] * len(responses)
-    pending: dict[Job, list[int]] = {}
-    text_only: set[Job] = set()
+    waiting: dict[tuple[Job, bool, float], tuple[Future, list[int]]] = {}
     for i, (response, label) in enumerate(zip(responses, labels, strict=True)):
         try:
             prepared = prepare(response, label, require_think_end)
+            if not isinstance(prepared, GradeResult):
+                prepared = _verdicts.find_or_submit(prepared, not _gold(label).math, timeout_s)
         except Exception:
             prepared = GradeResult(False, "error")
-        if not isinstance(prepared, GradeResult):
-            if not _gold(label).math:
-                text_only.add(prepared)
-            prepared = _verdicts.get(prepared) or pending.setdefault(prepared, [])
         if isinstance(prepared, GradeResult):
             results[i] = prepared
         else:
-            prepared.append(i)
+            key, future = prepared
+            waiting.setdefault(key, (future, []))[1].append(i)
 
-    if pending:
-        pairs = list(pending)
+    for key, (future, indices) in waiting.items():
         try:
-            outcomes = get_pool().grade_many(pairs, timeout_s)
+            correct, reason = get_pool().wait(future)
         except Exception:
-            outcomes = [(False, "error")] * len(pairs)
-        for pair, (correct, reason) in zip(pairs, outcomes, strict=True):
-            if reason == "wrong" and pair in text_only:
-                reason = "text_mismatch"  # a text label: logged apart from math answers
-            result = OK if correct else GradeResult(False, reason)
-            _verdicts.put(pair, result)
-            for i in pending[pair]:
-                results[i] = result
+            correct, reason = False, "error"
+        if reason == "wrong" and key[1]:
+            reason = "text_mismatch"  # a text label: logged apart from math answers
+        result = OK if correct else GradeResult(False, reason)
+        _verdicts.finish(key, future, result)
+        for i in indices:
+            results[i] = result
     return results  # type: ignore[return-value]

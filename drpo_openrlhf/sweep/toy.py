@@ -13,11 +13,13 @@ from pathlib import Path
 
 from drpo_openrlhf.demo.run import DemoConfig, make_problems, shared_flags, with_seed
 
-# lambda in {0.05, 0.1, 0.2, 0.5, inf}, RLOO-LP alpha in {0.1, 0.2, 0.4}
+# lambda in {0.05, 0.1, 0.2, 0.5, inf}, RLOO-LP alpha in {0.1, 0.2, 0.4}, and ALP with its
+# penalty scaled to the toy's lengths: beta * 40 tokens = 0.2, RLOO-LP alpha 0.2's largest cut
 METHODS = (
     ("drpo", {"lambda": [0.05, 0.1, 0.2, 0.5]}),
     ("disco", {}),
     ("rloo_lp", {"alpha": [0.1, 0.2, 0.4]}),
+    ("alp", {"beta": [0.005]}),
 )
 
 
