@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 import traceback
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -134,6 +134,15 @@ def add_drpo_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="C of the length reward (default: --rollout.max_new_tokens)",
+    )
+    g.add_argument(
+        "--drpo.positive_reward",
+        default=d.positive_reward,
+        metavar="SPEC",
+        help="what ranks a prompt's correct responses: 'length' (r_l, default), "
+        "'fewer_reflections', 'fewer_answers', path/to/file.py[:function] (default function "
+        "positive_reward(texts, lengths, labels)), or a weighted sum such as "
+        "'length+0.5*fewer_reflections' (docs/positive_rewards.md)",
     )
     g.add_argument(
         "--drpo.keep_all_wrong",
@@ -292,6 +301,21 @@ def refuse_entropy_with_chunks(args: argparse.Namespace) -> None:
         )
 
 
+def check_positive_reward(args: argparse.Namespace, baseline: bool) -> str:
+    """``--drpo.positive_reward`` loaded and probed (``preflight``); returns it with its
+    files' paths as the Ray workers will find them."""
+    spec = getattr(args, "drpo.positive_reward")
+    if preflight.is_length_reward(spec):
+        return spec
+    if baseline:
+        raise ValueError(
+            "--drpo.positive_reward ranks DRPO's correct responses; the baselines "
+            "(--shaping.method) shape rewards by length: drop one of the two"
+        )
+    max_len = getattr(args, "drpo.max_len") or getattr(args, "rollout.max_new_tokens")
+    return preflight.check_positive_reward(spec, max_len, getattr(args, "drpo.length_reward"))
+
+
 def check_inputs(args: argparse.Namespace) -> None:
     """Model, reward file and local datasets, before anything starts (``preflight``)."""
     preflight.check_model(getattr(args, "actor.model_name_or_path"))
@@ -356,6 +380,8 @@ def parse(argv: list[str]) -> tuple[DRPOConfig, SimpleNamespace, list[str]]:
         else:
             config = validate(args, parser)
         check_inputs(args)
+        positive_reward = check_positive_reward(args, baseline=bool(method))
+        config = replace(config, positive_reward=positive_reward)
         memory = memory_plan.check(args)
     except ValueError as error:  # LayoutError included
         parser.error(str(error))

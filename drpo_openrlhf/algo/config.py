@@ -28,6 +28,10 @@ class DRPOConfig:
       (the default deviates from the released runs here, on purpose).
     - ``length_reward``, ``max_len``: the shape of ``r_l`` and its ``C``; ``None`` means the
       generation budget (``--rollout.max_new_tokens``), the authors' choice.
+    - ``positive_reward``: what ranks a prompt's correct responses among themselves.
+      ``"length"`` (default) is ``r_l`` above, computed here from token counts; any other
+      SPEC (docs/positive_rewards.md) is scored where the rewards run and reaches the loss
+      as each response's ``ResponseScalars.preference``.
     - ``keep_all_wrong``, ``all_correct_length_signal``, ``lambda_by_pass_rate``: options of
       ``drpo_objective``, off in the released runs.
     """
@@ -40,6 +44,7 @@ class DRPOConfig:
     kl_estimate: str = "minibatch"
     length_reward: str = "linear"
     max_len: int | None = None
+    positive_reward: str = "length"
     keep_all_wrong: bool = False
     all_correct_length_signal: bool = False
     lambda_by_pass_rate: bool = False
@@ -61,8 +66,15 @@ class DRPOConfig:
             raise ValueError(f"length_reward must be one of {LENGTH_REWARDS}")
         if self.max_len is not None and self.max_len <= 0:
             raise ValueError(f"max_len (C) must be positive, got {self.max_len}")
+        if not isinstance(self.positive_reward, str) or not self.positive_reward.strip():
+            raise ValueError("positive_reward must name a reward ('length' by default)")
         if self.lambda_by_pass_rate and math.isinf(self.lam):
             raise ValueError("lambda_by_pass_rate needs a finite lam")
+
+    @property
+    def length_positive_reward(self) -> bool:
+        """The correct responses are ranked by ``r_l`` of their token counts (today's DRPO)."""
+        return self.positive_reward.strip() == "length"
 
     @property
     def effective_beta0(self) -> float:

@@ -36,6 +36,9 @@ class ResponseScalars:
     ``num_tokens`` is the response length ``|o|`` (EOS included, as in the released code);
     it is both the length-reward input and the KL denominator. ``microstep`` is the global
     micro-step a response is trained in (only used by ``kl_estimate="microstep"``).
+    ``preference`` is each response's positive reward when it is not the length reward
+    (``DRPOConfig.positive_reward``): data, like correctness, scored where the rewards run;
+    ``None`` when the length reward ranks the correct responses.
     """
 
     score: Tensor
@@ -44,17 +47,28 @@ class ResponseScalars:
     correct: Tensor
     group_id: Tensor
     microstep: Tensor
+    preference: Tensor | None = None
 
     def __post_init__(self) -> None:
-        shapes = {f.name: tuple(getattr(self, f.name).shape) for f in fields(self)}
+        shapes = {
+            f.name: tuple(getattr(self, f.name).shape)
+            for f in fields(self)
+            if getattr(self, f.name) is not None
+        }
         if len(set(shapes.values())) != 1 or len(next(iter(shapes.values()))) != 1:
             raise ValueError(f"ResponseScalars fields must be 1-D of one length, got {shapes}")
 
     @staticmethod
     def concat(parts: list[ResponseScalars]) -> ResponseScalars:
-        return ResponseScalars(
-            **{f.name: torch.cat([getattr(p, f.name) for p in parts]) for f in fields(parts[0])}
-        )
+        def cat(name: str) -> Tensor | None:
+            values = [getattr(p, name) for p in parts]
+            if all(v is None for v in values):
+                return None
+            if any(v is None for v in values):
+                raise ValueError(f"some parts have no {name}")
+            return torch.cat(values)
+
+        return ResponseScalars(**{f.name: cat(f.name) for f in fields(parts[0])})
 
 
 def response_scalars(
@@ -64,8 +78,10 @@ def response_scalars(
     correct: Tensor,
     group_ids: Tensor,
     microstep: int = 0,
+    preference: Tensor | None = None,
 ) -> ResponseScalars:
-    """Scalars of a micro-batch of responses from ``(B, T)`` token log-probs and mask."""
+    """Scalars of a micro-batch of responses from ``(B, T)`` token log-probs and mask;
+    ``preference``: their positive rewards, unless it is the length reward."""
     mask = mask.to(log_probs.dtype)
     return ResponseScalars(
         score=sequence_scores(log_probs, mask),
@@ -74,7 +90,22 @@ def response_scalars(
         correct=correct.bool(),
         group_id=group_ids.long(),
         microstep=torch.full_like(group_ids, microstep, dtype=torch.long),
+        preference=preference,
     )
+
+
+def positive_rewards(r: ResponseScalars, config: DRPOConfig, max_len: float) -> Tensor:
+    """What ranks the correct responses: ``r_l`` of their token counts (C = ``config.max_len``
+    or ``max_len``), or the positive reward they carry (``config.positive_reward``)."""
+    if config.length_positive_reward:
+        c = config.max_len if config.max_len is not None else max_len
+        return length_reward(r.num_tokens.to(r.score.dtype), c, config.length_reward)
+    if r.preference is None:
+        raise ValueError(
+            f"positive reward {config.positive_reward!r}: the responses carry no score of it "
+            "(it is computed where the rewards run: integration/positive_engine.py)"
+        )
+    return r.preference.to(r.score.dtype)
 
 
 def _kl_penalty_term(r: ResponseScalars, config: DRPOConfig) -> tuple[Tensor, Tensor, Tensor]:
@@ -102,9 +133,8 @@ def minibatch_loss(
 
     ``max_len`` is the length-reward ``C`` when ``config.max_len`` is unset.
     """
-    c = config.max_len if config.max_len is not None else max_len
     lengths = r.num_tokens.to(r.score.dtype)
-    rewards = length_reward(lengths, c, config.length_reward)
+    rewards = positive_rewards(r, config, max_len)
     terms = drpo_objective(
         r.score,
         r.correct,
@@ -128,6 +158,7 @@ def minibatch_loss(
         "response_length": detached.mean(),
         "response_length_correct": _mean_or_nan(detached, r.correct),
         "response_length_incorrect": _mean_or_nan(detached, ~r.correct),
+        "positive_reward_correct": _mean_or_nan(rewards.detach(), r.correct),
     }
     return terms.loss + penalty, metrics
 
@@ -150,7 +181,10 @@ def loss_coefficients(
         )
     score = r.score.detach().double().requires_grad_(True)
     kl_sum = r.kl_sum.detach().double().requires_grad_(True)
-    leaf = replace(r, score=score, kl_sum=kl_sum, num_tokens=r.num_tokens.double())
+    preference = None if r.preference is None else r.preference.double()
+    leaf = replace(
+        r, score=score, kl_sum=kl_sum, num_tokens=r.num_tokens.double(), preference=preference
+    )
     loss, metrics = minibatch_loss(leaf, config, max_len)
     score_coef, kl_coef = torch.autograd.grad(loss, [score, kl_sum])
     metrics["loss"] = loss.detach()

@@ -61,6 +61,7 @@ from drpo_openrlhf.integration.layout import (
     pack_group_microsteps,
     plan_from_slots,
 )
+from drpo_openrlhf.integration.positive_engine import POSITIVE_KEY
 
 logger = logging.getLogger(__name__)
 GROUP_KEY = "drpo_group"  # experience.info key carrying each response's prompt-group id
@@ -94,7 +95,8 @@ def all_gather_scalars(local: ResponseScalars, counts: list[int]) -> tuple[Respo
 
     Ranks may hold different numbers of responses (dynamic batching), so every rank's count
     is given (``all_gather_counts``) and the columns are padded to the largest one for the
-    collective."""
+    collective. Every rank carries a positive-reward column or none (``DRPOConfig``)."""
+    preference = [] if local.preference is None else [local.preference.detach().double()]
     columns = torch.stack(
         [
             local.score.detach().double(),
@@ -103,14 +105,15 @@ def all_gather_scalars(local: ResponseScalars, counts: list[int]) -> tuple[Respo
             local.correct.double(),
             local.group_id.double(),
             local.microstep.double(),
+            *preference,
         ]
     )
     padded = F.pad(columns, (0, max(counts) - columns.shape[1]))
     parts = [torch.empty_like(padded) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, padded)
     merged = torch.cat([p[:, :c] for p, c in zip(parts, counts, strict=True)], dim=1)
-    s, kl, tokens, correct, group, micro = merged
-    gathered = ResponseScalars(s, kl, tokens, correct.bool(), group.long(), micro.long())
+    s, kl, tokens, correct, group, micro, *carried = merged
+    gathered = ResponseScalars(s, kl, tokens, correct.bool(), group.long(), micro.long(), *carried)
     return gathered, sum(counts[: dist.get_rank()])
 
 
@@ -284,7 +287,22 @@ class DRPOActorTrainer(ActorPPOTrainer):
             correctness(batch.scores.to(log_probs.device)),
             group_ids.to(log_probs.device),
             microstep,
+            self._preference(batch, log_probs.device),
         )
+
+    def _preference(self, batch, device: torch.device) -> Tensor | None:
+        """The positive reward each response carries (``positive_engine``), or None when the
+        length reward ranks the correct responses (computed from token counts)."""
+        if self.drpo.length_positive_reward:
+            return None
+        if POSITIVE_KEY not in batch.info:
+            raise ValueError(
+                f"--drpo.positive_reward {self.drpo.positive_reward}: the rollout reached the "
+                "actor without its scores (the vLLM engines must be DRPO's: "
+                "integration/ray_actors.py)"
+            )
+        values = torch.stack([torch.as_tensor(v).flatten()[0] for v in batch.info[POSITIVE_KEY]])
+        return values.double().to(device)
 
     def _microstep_counts(self, batches: list) -> list[list[int]]:
         """Every rank's response count of each micro-step, known before any forward."""

@@ -30,6 +30,8 @@ HINTS = {
     "ActorDiedError": "a Ray actor process died (killed, out of memory or crashed)",
     "RayActorError": "a Ray actor process died (killed, out of memory or crashed)",
     "OutOfMemoryError": "a GPU ran out of memory (docs/launch.md, Memory plan)",
+    "PositiveRewardError": "the positive reward (--drpo.positive_reward) failed in a vLLM "
+    "engine (docs/positive_rewards.md)",
 }
 
 

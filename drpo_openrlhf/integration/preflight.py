@@ -69,6 +69,31 @@ def check_reward_file(path: str) -> None:
         )
 
 
+def is_length_reward(spec: str) -> bool:
+    """``--drpo.positive_reward`` is today's length reward (nothing to load or probe)."""
+    return spec.strip() == "length"
+
+
+def portable_path(path: str) -> str:
+    """A plugin path as every Ray worker finds it: absolute, except inside a Ray
+    ``working_dir`` copy (whose absolute path differs from node to node), where a relative
+    path already names the same file on every node."""
+    if Path(path).is_absolute() or "working_dir_files" in Path.cwd().resolve().parts:
+        return path
+    return str(Path(path).resolve())
+
+
+def check_positive_reward(spec: str, max_len: int, length_shape: str) -> str:
+    """Load ``--drpo.positive_reward`` and call it once on hand-written correct responses
+    (``rewards.positive_reward.probe``): a missing file or function, a wrong signature, an
+    exception, a wrong number of values or a non-finite one is refused here, naming the file
+    and the problem. Returns the SPEC with portable file paths (``portable_path``)."""
+    from drpo_openrlhf.rewards.positive_reward import probe, with_paths
+
+    probe(spec, max_len, length_shape)  # PositiveRewardError is a ValueError
+    return with_paths(spec, portable_path)
+
+
 def _rows(file: Path) -> Iterator[tuple[int, object]]:
     """``(row number from 1, row)`` of a local JSONL, JSON (list) or parquet file."""
     if file.suffix == ".parquet":

@@ -23,6 +23,7 @@ from drpo_openrlhf.integration.actor_trainer import DRPOActorTrainer, FiniteChec
 from drpo_openrlhf.integration.checkpoints import CompleteCheckpointActor
 from drpo_openrlhf.integration.cpu_support import CPU_WORKER_EXTENSION
 from drpo_openrlhf.integration.experience import GroupTaggingExperienceMaker
+from drpo_openrlhf.integration.positive_engine import PositiveRewardEngine
 from drpo_openrlhf.integration.reward_guard import guard_engine_rewards
 from drpo_openrlhf.integration.shaping import ShapingExperienceMaker, advantage_signal_stats
 from drpo_openrlhf.integration.sync_check import (
@@ -119,6 +120,22 @@ def _sampling_params_with_logprobs(sampling_params):
     return build
 
 
+def configure_positive_reward(engines: list, args) -> None:
+    """Load ``--drpo.positive_reward`` in every vLLM engine, unless it is the length reward
+    (the actor computes that one). A plugin that fails to load there stops the run now."""
+    drpo = args.drpo
+    if drpo.positive_reward.strip() == "length" or not engines:
+        return
+    max_len = drpo.max_len if drpo.max_len is not None else args.rollout.max_new_tokens
+    ray.get(
+        [
+            e.configure_positive_reward.remote(drpo.positive_reward, max_len, drpo.length_reward)
+            for e in engines
+        ]
+    )
+    logger.info("positive reward %s loaded in %d engine(s)", drpo.positive_reward, len(engines))
+
+
 class _MaxStepsReached(Exception):
     """Raised after the checkpoint of the last step to leave OpenRLHF's episode loops."""
 
@@ -143,6 +160,7 @@ class _GroupAwarePPOTrainer(VerifiedSyncTrainer, ppo_trainer.PPOTrainer.__ray_ac
             )
         else:
             self.experience_maker.__class__ = GroupTaggingExperienceMaker
+            configure_positive_reward(self.vllm_engines, self.args)
 
     @property
     def _shaper(self) -> GroupRewardShaper | None:
@@ -181,9 +199,11 @@ class _GroupAwarePPOTrainer(VerifiedSyncTrainer, ppo_trainer.PPOTrainer.__ray_ac
         return states
 
 
-class _CPURolloutRayActor(SyncReportingEngine, vllm_engine.RolloutRayActor.__ray_actor_class__):
-    """OpenRLHF's vLLM engine actor with the CPU worker extension (``cpu_support``) and the
-    reward guard (``reward_guard``)."""
+class _CPURolloutRayActor(
+    PositiveRewardEngine, SyncReportingEngine, vllm_engine.RolloutRayActor.__ray_actor_class__
+):
+    """OpenRLHF's vLLM engine actor with the CPU worker extension (``cpu_support``), the
+    reward guard (``reward_guard``) and DRPO's positive reward (``positive_engine``)."""
 
     async def __init__(self, *args, **kwargs):
         kwargs["worker_extension_cls"] = CPU_WORKER_EXTENSION
@@ -191,9 +211,11 @@ class _CPURolloutRayActor(SyncReportingEngine, vllm_engine.RolloutRayActor.__ray
         guard_engine_rewards(self.executor)
 
 
-class _GPURolloutRayActor(SyncReportingEngine, vllm_engine.RolloutRayActor.__ray_actor_class__):
+class _GPURolloutRayActor(
+    PositiveRewardEngine, SyncReportingEngine, vllm_engine.RolloutRayActor.__ray_actor_class__
+):
     """OpenRLHF's vLLM engine actor whose workers record and digest each weight sync, with the
-    reward guard (``reward_guard``)."""
+    reward guard (``reward_guard``) and DRPO's positive reward (``positive_engine``)."""
 
     async def __init__(self, *args, **kwargs):
         kwargs["worker_extension_cls"] = GPU_WORKER_EXTENSION
