@@ -45,6 +45,7 @@ SETTINGS: dict[str, tuple[tuple[str, ...], dict]] = {
     "drpo-0.1": (("--drpo.lam", "0.1"), {}),
     "rloo-lp-0.2": ((*RLOO, "--shaping.params", "alpha=0.2"), {}),
     "disco-64steps": (DISCO, {"rollout_steps": 64}),
+    "rloo-alpha0-lr5e-5": ((*RLOO, "--shaping.params", "alpha=0"), {"lr": 5e-5}),
 }
 
 
