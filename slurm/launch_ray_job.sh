@@ -139,6 +139,7 @@ DELTA=${DELTA:-1e-4}
 BETA0=${BETA0:-1e3}
 LENGTH_REWARD=${LENGTH_REWARD:-linear}
 DRPO_MAX_LEN=${DRPO_MAX_LEN:-}
+POSITIVE_REWARD=${POSITIVE_REWARD:-}
 SHAPING_PARAMS=${SHAPING_PARAMS:-}
 ROLLOUT_PROMPTS=${ROLLOUT_PROMPTS:-128}
 N_SAMPLES=${N_SAMPLES:-8}
@@ -253,6 +254,31 @@ esac
 # Method: DRPO (default), DisCO (DRPO without the length reward), or a shaped-reward baseline
 # trained with OpenRLHF's PPO loss and group advantages.
 # ---------------------------------------------------------------------------------------------
+# POSITIVE_REWARD (--drpo.positive_reward, docs/positive_rewards.md) with each plugin file's
+# path made absolute: the job runs in Ray's copy of the repository. Terms are joined by '+',
+# each `[weight*]name` with name a built-in or `file.py[:function]`.
+portable_positive_reward() {
+  local -a terms out=()
+  local term weight name path
+  IFS=+ read -ra terms <<<"$1"
+  for term in "${terms[@]}"; do
+    weight='' name=$term
+    if [[ $term == *'*'* ]]; then
+      weight="${term%%\**}*" name=${term#*\*}
+    fi
+    path=${name%%:*}
+    if [[ $path == *.py ]]; then
+      [[ -f $path ]] || die "POSITIVE_REWARD: plugin file $path does not exist"
+      name=$(realpath -m -- "$path")${name:${#path}}
+    fi
+    out+=("$weight$name")
+  done
+  (
+    IFS=+
+    echo "${out[*]}"
+  )
+}
+
 method_args=()
 case $METHOD in
 drpo | disco)
@@ -265,6 +291,10 @@ drpo | disco)
     --drpo.lam "$LAMBDA" --drpo.tau "$TAU" --drpo.delta "$DELTA" --drpo.beta0 "$BETA0"
     --drpo.length_reward "$LENGTH_REWARD")
   [[ -n $DRPO_MAX_LEN ]] && method_args+=(--drpo.max_len "$DRPO_MAX_LEN")
+  if [[ -n $POSITIVE_REWARD ]]; then
+    positive=$(portable_positive_reward "$POSITIVE_REWARD")
+    method_args+=(--drpo.positive_reward "$positive")
+  fi
   ;;
 rloo_lp | alp | hapo | l1_max | shorter_better | laser_d)
   default_estimator=group_norm

@@ -23,12 +23,16 @@ class Case:
     dynamic: bool = False  # dynamic batching: groups scattered over ranks, token budgets
     short: int = 0  # responses missing at the end of the last rank (an episode's last rollout)
     chunk: int = 0  # --drpo.logprob_chunk_tokens (0: OpenRLHF's unchunked forward)
+    # a positive reward other than length (--drpo.positive_reward): each response carries its
+    # score in experience.info, as the vLLM engines put it there
+    preference: bool = False
 
     @property
     def name(self) -> str:
         packed = "packed" if self.packing else "padded"
         batching = "dynamic" if self.dynamic else f"micro{self.micro_batch_size}"
         name = f"zero{self.zero_stage}-{batching}-{packed}-{self.kl_estimate}-short{self.short}"
+        name += "-preference" if self.preference else ""
         return name + (f"-chunk{self.chunk}" if self.chunk else "")
 
 
@@ -42,18 +46,22 @@ def layout(case: Case, world: int):
 
 def rank_share(case: Case, rank: int, world: int) -> tuple[torch.Tensor, dict]:
     """The rollout positions a rank receives and their ``info`` (group ids; slots unless
-    under dynamic batching)."""
+    under dynamic batching; positive rewards when the case has them)."""
     from drpo_openrlhf.integration.actor_trainer import GROUP_KEY
+    from drpo_openrlhf.integration.positive_engine import POSITIVE_KEY
 
     group_ids = torch.arange(PROMPTS * N) // N
     # under dynamic batching OpenRLHF deals responses out by length, so a group's responses
     # land on different ranks: interleave to mimic that
     if case.dynamic:
         local = torch.arange(rank, PROMPTS * N, world)
-        return local, {GROUP_KEY: group_ids[local]}
-    # the driver deals the (possibly short) rollout as experience.deal_experiences does
-    short = group_ids[: PROMPTS * N - case.short]
-    return actor_setup.dealt_share(short, layout(case, world), rank, case.short > 0)
+        info = {GROUP_KEY: group_ids[local]}
+    else:  # the driver deals the (possibly short) rollout as experience.deal_experiences does
+        short = group_ids[: PROMPTS * N - case.short]
+        local, info = actor_setup.dealt_share(short, layout(case, world), rank, case.short > 0)
+    if case.preference:
+        info[POSITIVE_KEY] = rollout()["preference"][local]
+    return local, info
 
 
 def tiny_model():
@@ -93,12 +101,15 @@ def rollout(seed: int = 0) -> dict[str, torch.Tensor]:
     action_mask = (~is_prompt & attention_mask.bool())[:, 1:]
     correct = torch.rand(b, generator=gen) < 0.5
     correct[0::N], correct[1::N] = True, False  # every prompt has both kinds
+    # a positive reward other than length, on the scale of several reflections' difference
+    preference = torch.rand(b, generator=gen, dtype=torch.float64)
     return dict(
         sequences=sequences,
         attention_mask=attention_mask,
         action_mask=action_mask,
         scores=correct.float(),
         group=torch.arange(PROMPTS).repeat_interleave(N),
+        preference=preference,
     )
 
 
@@ -155,7 +166,8 @@ def openrlhf_args(case: Case, world: int):
 def drpo_config(case: Case):
     from drpo_openrlhf.algo import DRPOConfig
 
-    return DRPOConfig(kl_estimate=case.kl_estimate, max_len=8)
+    positive = "fewer_reflections" if case.preference else "length"
+    return DRPOConfig(kl_estimate=case.kl_estimate, max_len=8, positive_reward=positive)
 
 
 def count_forwards(module: torch.nn.Module) -> list[int]:
@@ -276,6 +288,7 @@ def reference_weights(case: Case, world: int) -> tuple[list[torch.Tensor], list[
                     data["scores"][idx].bool(),
                     data["group"][idx],
                     microstep=j,
+                    preference=data["preference"][idx] if case.preference else None,
                 )
             )
         loss, _ = minibatch_loss(ResponseScalars.concat(parts), drpo_config(case), max_len=8)

@@ -3,7 +3,8 @@ single-process reference: same weights after the rollout's optimizer steps, for 
 several micro-batch sizes, packed and padded samples, dynamic batching with groups spread over
 ranks, a short last rollout, one, two and four data-parallel ranks (groups dealt across them
 as in the released code: rank r holds response r of every prompt when ranks = n), with the
-log-probs computed in chunks (``--drpo.logprob_chunk_tokens``) or not."""
+log-probs computed in chunks (``--drpo.logprob_chunk_tokens``) or not, and with a positive
+reward other than length (``--drpo.positive_reward``: scores carried per response)."""
 
 import pytest
 import torch
@@ -32,6 +33,7 @@ CASES = {
         Case(2, 8, kl_estimate="microstep"),
         Case(0, 4, chunk=5),  # chunks of 5 tokens, not dividing the padded rows
         Case(3, 2, packing=True, chunk=7),
+        Case(2, 4, preference=True),
     ],
     2: [
         Case(2, 1),  # 2 rows per global micro-step cannot hold a group: scores pass
@@ -47,6 +49,9 @@ CASES = {
         Case(2, 2, short=6),
         Case(3, 8, packing=True, chunk=3),  # ZeRO-3 gathers lm_head for every chunk
         Case(2, 1, packing=True, dynamic=True, kl_estimate="microstep", chunk=16),
+        Case(2, 1, preference=True),  # scores pass, groups over both ranks
+        Case(3, 2, packing=True, kl_estimate="microstep", preference=True),  # one pass
+        Case(2, 1, packing=True, dynamic=True, preference=True),
     ],
     4: [  # rank r holds response r of every prompt (W = n), as in the released code
         Case(2, 1, kl_estimate="microstep"),

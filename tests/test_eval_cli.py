@@ -30,6 +30,10 @@ METRIC_KEYS = [
     "mean_length",
     "mean_length_correct",
     "mean_length_incorrect",
+    "mean_reflections",
+    "mean_reflections_correct",
+    "mean_restated_answers",
+    "mean_restated_answers_correct",
     "truncation_rate",
 ]
 

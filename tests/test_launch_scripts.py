@@ -278,6 +278,23 @@ def test_infiniband_interface(harness: Harness) -> None:
     assert "HF_TOKEN" not in env_vars  # secrets are never copied into the job record
 
 
+def test_positive_reward_reaches_the_entry_point_with_absolute_paths(harness: Harness) -> None:
+    """POSITIVE_REWARD becomes --drpo.positive_reward, its plugin file made absolute (the job
+    runs in Ray's copy of the repository); a missing file stops the launch early."""
+    plugin = harness.tmp / "style.py"
+    plugin.write_text("def style(texts, lengths, labels):\n    return [0.0] * len(texts)\n")
+    spec = "length+0.5*style.py:style"  # relative to where the launcher runs
+    run = harness.run(recipe("1.5b"), POSITIVE_REWARD=spec)
+    assert run.returncode == 0, run.output
+    i = run.train_args.index("--drpo.positive_reward")
+    assert run.train_args[i + 1] == f"length+0.5*{plugin}:style"
+    assert parse(run.train_args)[0].positive_reward == f"length+0.5*{plugin}:style"
+    missing = harness.run(recipe("1.5b"), POSITIVE_REWARD="fewer_answers+nowhere.py")
+    assert missing.returncode == 1
+    assert "POSITIVE_REWARD: plugin file nowhere.py does not exist" in missing.output
+    assert len(missing.of("ray", "job", "submit")) == 1  # the first run's (one log)
+
+
 def test_missing_interface_is_a_clear_error(harness: Harness) -> None:
     run = harness.run(recipe("7b"), NET_IFACE="ib9")
     assert run.returncode == 1

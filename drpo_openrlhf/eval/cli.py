@@ -169,8 +169,9 @@ def run_command(argv: Sequence[str]) -> int:
         json_path, _ = write_result(doc, args.output_dir)
         avg = doc["average"]
         print(
-            f"{label.name}: pass@1 {avg['pass@1']:.4f}, mean length {avg['mean_length']:.1f} "
-            f"-> {json_path}"
+            f"{label.name}: pass@1 {avg['pass@1']:.4f}, mean length {avg['mean_length']:.1f}, "
+            f"reflections {avg['mean_reflections']:.2f}, restated answers "
+            f"{avg['mean_restated_answers']:.2f} -> {json_path}"
         )
     return 0
 
@@ -183,7 +184,12 @@ def plot_command(argv: Sequence[str]) -> int:
     p.add_argument("results", nargs="+", type=Path, help="result JSON files")
     p.add_argument("-o", "--output", type=Path, required=True)
     p.add_argument("--datasets", nargs="+", help=f"panels, and what {AVERAGE!r} averages")
-    p.add_argument("--metric", default="pass@1")
+    p.add_argument(
+        "--metric",
+        default="pass@1",
+        help="y axis against mean length: pass@k, or a per-response count such as "
+        "mean_reflections or mean_restated_answers(_correct) (default %(default)s)",
+    )
     args = p.parse_args(argv)
     plot_tradeoff(
         load_results(args.results), args.output, datasets=args.datasets, metric=args.metric

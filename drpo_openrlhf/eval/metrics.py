@@ -10,6 +10,14 @@ from statistics import fmean
 
 # Metric keys whose dataset-average is the plain mean over datasets (see `average_metrics`).
 LENGTH_KEYS = ("mean_length", "mean_length_correct", "mean_length_incorrect")
+# Per-response counts beside length (rewards/preference.py): what a positive reward other
+# than length (--drpo.positive_reward, docs/positive_rewards.md) targets.
+STYLE_KEYS = (
+    "mean_reflections",
+    "mean_reflections_correct",
+    "mean_restated_answers",
+    "mean_restated_answers_correct",
+)
 
 
 @dataclass(frozen=True)
@@ -20,6 +28,8 @@ class GradedSample:
     truncated: bool
     correct: bool
     reason: str
+    reflections: int = 0  # reflection phrases (``preference.count_reflections``)
+    restated_answers: int = 0  # answer statements beyond the first
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -73,6 +83,8 @@ def dataset_metrics(problems: Sequence[Sequence[GradedSample]], ks: Sequence[int
     ``pass@1`` is the mean correctness over all samples (the paper's definition); every
     other ``pass@k`` is the unbiased estimator averaged over problems. Lengths are response
     tokens (EOS included when the response stopped); a mean over an empty set is None.
+    ``mean_reflections`` and ``mean_restated_answers`` (over all and over correct responses)
+    count reflection phrases and restated answers per response.
     ``reasons`` counts the grader's reason strings, to see why responses fail.
     """
     samples = [s for problem in problems for s in problem]
@@ -92,6 +104,11 @@ def dataset_metrics(problems: Sequence[Sequence[GradedSample]], ks: Sequence[int
     metrics["mean_length_incorrect"] = _mean_or_none(
         [s.num_tokens for s in samples if not s.correct]
     )
+    for key in ("reflections", "restated_answers"):
+        metrics[f"mean_{key}"] = fmean(getattr(s, key) for s in samples)
+        metrics[f"mean_{key}_correct"] = _mean_or_none(
+            [getattr(s, key) for s in samples if s.correct]
+        )
     metrics["truncation_rate"] = fmean(s.truncated for s in samples)
     metrics["reasons"] = dict(sorted(Counter(s.reason for s in samples).items()))
     return metrics
@@ -111,7 +128,8 @@ def average_metrics(per_dataset: Mapping[str, Mapping]) -> dict:
         "num_problems": sum(r["num_problems"] for r in rows),
         "num_samples": sum(r["num_samples"] for r in rows),
     }
-    keys = [k for k in rows[0] if k.startswith("pass@")] + [*LENGTH_KEYS, "truncation_rate"]
+    keys = [k for k in rows[0] if k.startswith("pass@")]
+    keys += [*LENGTH_KEYS, *STYLE_KEYS, "truncation_rate"]
     for key in keys:
         average[key] = _mean_or_none([r[key] for r in rows if r.get(key) is not None])
     return average

@@ -8,12 +8,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from drpo_openrlhf.eval.metrics import LENGTH_KEYS, average_metrics
+from drpo_openrlhf.eval.metrics import LENGTH_KEYS, STYLE_KEYS, average_metrics
 from drpo_openrlhf.eval.problems import AVERAGE
 
 LABEL_COLUMNS = ("name", "model", "method", "param_name", "param", "role")
 COUNT_COLUMNS = ("num_problems", "num_samples")
-TAIL_COLUMNS = (*LENGTH_KEYS, "truncation_rate")
+TAIL_COLUMNS = (*LENGTH_KEYS, *STYLE_KEYS, "truncation_rate")
 
 
 def _pass_columns(doc: Mapping) -> list[str]:

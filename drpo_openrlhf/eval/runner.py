@@ -16,6 +16,7 @@ from drpo_openrlhf.eval.cache import GenerationCache, model_fingerprint, prompt_
 from drpo_openrlhf.eval.generation import GenerationBackend, Sample, SamplingSettings
 from drpo_openrlhf.eval.metrics import GradedSample, average_metrics, dataset_metrics
 from drpo_openrlhf.eval.problems import Problem
+from drpo_openrlhf.rewards.preference import count_reflections, restated_answers
 
 SCHEMA_VERSION = 1
 ROLES = ("run", "reference", "base")
@@ -191,7 +192,14 @@ class Evaluator:
                 outcomes.extend(batch_outcomes)
                 bar.update(len(batch))
         graded = [
-            GradedSample(s.num_tokens, s.truncated, bool(o.correct), str(o.reason))
+            GradedSample(
+                s.num_tokens,
+                s.truncated,
+                bool(o.correct),
+                str(o.reason),
+                count_reflections(s.text),
+                restated_answers(s.text),
+            )
             for (s, _), o in zip(flat, outcomes, strict=True)
         ]
         starts = [0]

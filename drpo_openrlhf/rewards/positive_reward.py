@@ -123,10 +123,13 @@ def with_paths(spec: str, resolve: Callable[[str], str]) -> str:
 
 
 def _length_term(max_len: float, shape: str) -> Callable:
+    import torch
+
     from drpo_openrlhf.algo.length_reward import length_reward
 
     def length(texts, lengths, labels):
-        return length_reward([float(n) for n in lengths], max_len, shape).tolist()
+        counts = torch.tensor([float(n) for n in lengths], dtype=torch.float64)
+        return length_reward(counts, max_len, shape).tolist()
 
     return length
 

@@ -1,0 +1,81 @@
+"""``--drpo.positive_reward path/to/file.py`` through ``python -m drpo_openrlhf.train`` on the
+CPU toy (real Ray, a vLLM CPU engine, the DeepSpeed actor): the plugin runs in the engine on
+each group's correct responses, its scores reach the actor's loss, and a plugin that fails at
+run time stops the run naming it. ``pytest -m e2e`` runs these with the other e2e tests."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from test_e2e_pipeline import assert_drpo_trained, train
+
+from drpo_openrlhf.demo.run import local_ray_cluster
+from drpo_openrlhf.eval.tensorboard_logs import read_scalars
+from drpo_openrlhf.rewards.positive_reward import PROBE_PROMPT
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+# Scores of 6 or 7, far from any length reward in [0, 1]: the loss must have used them.
+PLUGIN = """
+import json
+
+def positive_reward(texts, lengths, labels, prompt=None):
+    with open({log!r}, "a") as log:
+        log.write(json.dumps(dict(texts=texts, lengths=lengths, labels=labels, prompt=prompt)))
+        log.write("\\n")
+    return [7.0 - min(text.count("Wait"), 1) for text in texts]
+"""
+
+FAILING = f"""
+def positive_reward(texts, lengths, labels, prompt=None):
+    if prompt != {PROBE_PROMPT!r}:  # passes the probe, fails in the run
+        raise RuntimeError("no score for this group")
+    return [0.0] * len(texts)
+"""
+
+
+@pytest.fixture(scope="module")
+def ray_address():
+    with local_ray_cluster(num_gpus=3) as address:
+        yield address
+
+
+def test_a_plugin_file_ranks_the_correct_responses(toy, ray_address, tmp_path):
+    calls = tmp_path / "calls.jsonl"
+    plugin = tmp_path / "style.py"
+    plugin.write_text(PLUGIN.format(log=str(calls)))
+    done = train(
+        toy, tmp_path, "--drpo.positive_reward", str(plugin), ray_address=ray_address, steps=2
+    )
+    assert done.returncode == 0, done.output[-3000:]
+    logged = assert_drpo_trained(tmp_path, toy["base"], steps=2)
+    groups = [json.loads(line) for line in calls.read_text().splitlines()]
+    probe, run = groups[0], groups[1:]
+    assert probe["prompt"] == PROBE_PROMPT  # the entry point probed it before launching
+    assert run, "the engine never called the plugin"
+    labels = {json.loads(r)["label"] for r in toy["train"].read_text().splitlines()}
+    for group in run:
+        assert 1 <= len(group["texts"]) <= 4  # the correct responses of one prompt (n = 4)
+        assert len(set(group["labels"])) == 1 and group["labels"][0] in labels
+        assert "Compute" in group["prompt"]
+        assert all(f"\\boxed{{{group['labels'][0]}}}" in t for t in group["texts"])
+        assert all(n > 0 for n in group["lengths"])
+    # what the loss ranked the correct responses by: the plugin's 6s and 7s
+    ranked = logged["train/drpo/positive_reward_correct"].values()
+    assert all(6.0 <= v <= 7.0 for v in ranked if not math.isnan(v)), ranked
+
+
+def test_a_plugin_failing_at_run_time_stops_the_run(toy, ray_address, tmp_path):
+    plugin = tmp_path / "failing.py"
+    plugin.write_text(FAILING)
+    done = train(
+        toy, tmp_path, "--drpo.positive_reward", str(plugin), ray_address=ray_address, steps=2
+    )
+    assert done.returncode == 1, done.output[-3000:]
+    last = done.output.strip().splitlines()[-1]
+    assert "the positive reward (--drpo.positive_reward) failed" in last, last
+    assert f"{plugin}:positive_reward raised RuntimeError: no score for this group" in last
+    assert "train/drpo/objective" not in read_scalars(Path(tmp_path) / "tb")  # nothing trained
