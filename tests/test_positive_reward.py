@@ -437,3 +437,43 @@ def test_drpo_eval_reports_reflections_and_restated_answers(tmp_path):
     assert average["mean_reflections"] == metrics["mean_reflections"]
     doc = {"name": "n", "datasets": {"d": metrics}, "average": average}
     assert csv_rows(doc)[0]["mean_restated_answers"] == pytest.approx(1 / 3)
+
+
+# ---------------------------------------------------------------------------------------------
+# The sweep passes the flag through, and probes it before submitting anything
+# ---------------------------------------------------------------------------------------------
+def test_a_sweep_method_s_flags_carry_the_positive_reward(tmp_path):
+    from test_sweep import write_sweep
+
+    from drpo_openrlhf.sweep.commands import train_argv
+    from drpo_openrlhf.sweep.slurm import array_script
+    from drpo_openrlhf.sweep.spec import SweepError
+    from drpo_openrlhf.sweep.validate import load_sweep
+
+    (tmp_path / "base0").mkdir()
+    (tmp_path / "base0" / "config.json").write_text("{}")
+    row = '{"prompt": "Compute 1+2.", "label": "3", "datasource": "toy"}\n'
+    (tmp_path / "train.jsonl").write_text(row)
+    (tmp_path / "eval.jsonl").write_text(row)
+    plugin = tmp_path / "style.py"
+    plugin.write_text("def positive_reward(texts, lengths, labels):\n    return [1.0]\n")
+    methods = f"""
+[[methods]]
+method = "drpo"
+grid = {{ lambda = [0.1] }}
+flags = ["--drpo.positive_reward", "length+0.5*{plugin}"]
+"""
+    path = write_sweep(tmp_path, methods, seeds="[0]")
+    with pytest.raises(SweepError) as error:  # returns 1 value for 3: refused for every run
+        load_sweep(path, "local")
+    assert "returned 1 values for 3 responses" in str(error.value)
+    plugin.write_text(
+        "def positive_reward(texts, lengths, labels):\n    return [1.0] * len(texts)\n"
+    )
+    sweep = load_sweep(path, "local")
+    (run,) = [r for r in sweep.runs if r.trains]
+    argv = train_argv(sweep, run)
+    assert argv[argv.index("--drpo.positive_reward") + 1] == f"length+0.5*{plugin}"
+    on_slurm = load_sweep(path, "slurm")
+    script = array_script(on_slurm, [r for r in on_slurm.runs if r.trains], None, path)
+    assert f"length+0.5*{plugin}" in script  # the recipe's extra flags
