@@ -346,15 +346,17 @@ def test_toy_writes_the_demo_s_inputs_and_a_runnable_sweep(tmp_path: Path, capsy
     e2e tests run it)."""
     for seed in (0, 1):
         build_tiny_model(tmp_path / "toy" / f"seed{seed}" / "base")
-    assert main(["toy", str(tmp_path / "toy"), "--seeds", "0", "1", "--quick", "--steps", "4"]) == 0
+    argv = ["toy", str(tmp_path / "toy"), "--seeds", "0", "1", "--quick", "--steps", "4"]
+    assert main([*argv, "--lr", "5e-5"]) == 0
     path = tmp_path / "toy" / "sweep.toml"
     assert str(path) in capsys.readouterr().out
     rows = (tmp_path / "toy" / "seed1" / "eval.jsonl").read_text().splitlines()
     assert len(rows) == 2 * DemoConfig.quick().eval_problems_per_dataset  # add2, add3
     sweep = load_sweep(path, "local")  # every training command parses
     trained = [r for r in sweep.runs if r.trains]
-    assert len(trained) == 2 * (4 + 1 + 3)  # lambdas 0.05-0.5, DisCO, RLOO-LP alphas; 2 seeds
+    assert len(trained) == 2 * (4 + 1 + 3 + 1)  # lambdas, DisCO, RLOO-LP alphas, ALP; 2 seeds
     assert [r.name for r in sweep.runs if not r.trains] == ["base-s0", "base-s1"]
     assert trained[-1].train_data == str(tmp_path / "toy" / "seed1" / "train.jsonl")
     assert sweep.train_flags[sweep.train_flags.index("--drpo.max_steps") + 1] == "4"
+    assert sweep.train_flags[sweep.train_flags.index("--actor.adam.lr") + 1] == "5e-05"
     assert sweep.eval_flags[:2] == ("--backend", "hf")  # the demo evaluates with HF on CPU

@@ -54,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     toy.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     toy.add_argument("--quick", action="store_true", help="the demo's --quick task and model")
     toy.add_argument("--steps", type=int, help="rollout steps per run (default: the demo's)")
+    toy.add_argument("--lr", type=float, help="actor learning rate (default: the demo's)")
     for name, text in (("task", "train, evaluate, mark (Ray jobs)"), ("finish", "evaluate, mark")):
         sub = commands.add_parser(name, help=f"one run: {text}")
         sub.add_argument("sweep", type=Path, help="the sweep's resolved sweep.json")
@@ -155,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "toy":
             from drpo_openrlhf.sweep.toy import prepare_toy
 
-            path = prepare_toy(args.dir, args.seeds, args.quick, args.steps)
+            path = prepare_toy(args.dir, args.seeds, args.quick, args.steps, args.lr)
             print(f"{path}\nrun it with: drpo-sweep run {path} --backend local")
             return 0
         path = _resolved(args.sweep) if args.command in ("status", "report") else args.sweep

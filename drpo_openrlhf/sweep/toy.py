@@ -83,12 +83,16 @@ def sweep_toml(name: str, root: Path, seeds: list[int], config: DemoConfig) -> s
     return "\n".join(lines) + "\n"
 
 
-def prepare_toy(root: Path, seeds: list[int], quick: bool, steps: int | None) -> Path:
+def prepare_toy(
+    root: Path, seeds: list[int], quick: bool, steps: int | None, lr: float | None = None
+) -> Path:
     """Builds every seed's inputs under ``root`` and writes ``root/sweep.toml``."""
     root = root.resolve()
     config = DemoConfig.quick() if quick else DemoConfig()
     if steps is not None:
         config = replace(config, rl=replace(config.rl, rollout_steps=steps))
+    if lr is not None:
+        config = replace(config, rl=replace(config.rl, lr=lr))
     for seed in seeds:
         build_seed(with_seed(config, seed), root / f"seed{seed}")
     path = root / "sweep.toml"
