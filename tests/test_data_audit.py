@@ -42,3 +42,7 @@ def test_probes_cover_rewrites_and_wrong_numbers():
     assert [float(r) for r in reject] == [0.00000288 * 1.5 + 1]
     accept, reject = probes("y = 2x")
     assert "2x" in accept and reject == ["0", "2"]
+    # MATH-500's thousands commas keep their form; list commas get the other spacing
+    assert not any(", \\!" in a for a in probes("11,\\! 111,\\! 100")[0])
+    assert "1,000" in probes("1,000")[0] and "1, 000" not in probes("1,000")[0]
+    assert "(2, 3), 4" in probes("(2,3),4")[0]

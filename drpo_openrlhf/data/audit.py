@@ -51,6 +51,11 @@ def _number(text: str) -> Decimal | None:
     return value if value.is_finite() else None
 
 
+_LIST_COMMA = re.compile(r",\s*(?!\\!|\d{3}(?!\d))")
+"""A comma that separates items, not thousands (``10,\\!080``, ``1,000``): a space after a
+thousands comma makes a list of it (math-verify reads ``10, \\!080`` as ``{10, 80}``)."""
+
+
 def _scientific(value: Decimal) -> list[str]:
     mantissa, exponent = f"{value:e}".split("e")
     mantissa = mantissa.rstrip("0").rstrip(".") if "." in mantissa else mantissa
@@ -60,7 +65,7 @@ def _scientific(value: Decimal) -> list[str]:
 
 def probes(answer: str) -> tuple[list[str], list[str]]:
     """``(must_accept, must_reject)`` answers for one acceptable answer of a label."""
-    accept = [answer, answer + ".", " ".join(answer.split()), re.sub(r",\s*", ", ", answer)]
+    accept = [answer, answer + ".", " ".join(answer.split()), _LIST_COMMA.sub(", ", answer)]
     reject: list[str] = []
     value = _number(answer)
     if value is not None:
