@@ -477,3 +477,12 @@ flags = ["--drpo.positive_reward", "length+0.5*{plugin}"]
     on_slurm = load_sweep(path, "slurm")
     script = array_script(on_slurm, [r for r in on_slurm.runs if r.trains], None, path)
     assert f"length+0.5*{plugin}" in script  # the recipe's extra flags
+
+
+def test_help_lists_the_flag(capsys):
+    with pytest.raises(SystemExit) as done:
+        train.main(["--help"])
+    assert done.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--drpo.positive_reward SPEC" in out
+    assert "'length+0.5*fewer_reflections'" in out
