@@ -17,6 +17,7 @@ from drpo_openrlhf.eval.tensorboard_logs import read_scalars
 from drpo_openrlhf.rewards.positive_reward import PROBE_PROMPT
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+STOP = "drpo_openrlhf: the run stopped: "  # the entry point's last word (Ray's logs may follow)
 
 # Scores of 6 or 7, far from any length reward in [0, 1]: the loss must have used them.
 PLUGIN = """
@@ -75,7 +76,8 @@ def test_a_plugin_failing_at_run_time_stops_the_run(toy, ray_address, tmp_path):
         toy, tmp_path, "--drpo.positive_reward", str(plugin), ray_address=ray_address, steps=2
     )
     assert done.returncode == 1, done.output[-3000:]
-    last = done.output.strip().splitlines()[-1]
-    assert "the positive reward (--drpo.positive_reward) failed" in last, last
-    assert f"{plugin}:positive_reward raised RuntimeError: no score for this group" in last
+    stop = [line for line in done.output.splitlines() if line.startswith(STOP)]
+    assert stop, done.output[-3000:]
+    assert "the positive reward (--drpo.positive_reward) failed" in stop[-1], stop
+    assert f"{plugin}:positive_reward raised RuntimeError: no score for this group" in stop[-1]
     assert "train/drpo/objective" not in read_scalars(Path(tmp_path) / "tb")  # nothing trained
