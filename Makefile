@@ -11,7 +11,7 @@ export TORCHDYNAMO_DISABLE := 1
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv test lint format clean demo gpu-env
+.PHONY: venv test lint format clean demo frontier gpu-env
 
 venv: $(STAMP)
 
@@ -40,6 +40,12 @@ test: lint
 # DRPO vs a length-penalised baseline on a toy task through python -m drpo_openrlhf.train, CPU only (docs/demo.md).
 demo: $(STAMP)
 	$(PY) -m drpo_openrlhf.demo
+
+# The toy frontier of issue 26 (docs/sweep.md): 9 methods x 3 seeds through the same entry
+# point, on CPU; resumable (a re-run skips finished runs). Hours on 2 cores.
+frontier: $(STAMP)
+	$(PY) -m drpo_openrlhf.sweep toy outputs/toy-frontier --seeds 0 1 2 --lr 5e-5
+	$(PY) -m drpo_openrlhf.sweep run outputs/toy-frontier/sweep.toml --backend local
 
 # The GPU environment on a CUDA node, in .venv-gpu/ (docs/gpu.md; VENV_GPU=DIR for another).
 gpu-env:
