@@ -360,3 +360,15 @@ def test_toy_writes_the_demo_s_inputs_and_a_runnable_sweep(tmp_path: Path, capsy
     assert sweep.train_flags[sweep.train_flags.index("--drpo.max_steps") + 1] == "4"
     assert sweep.train_flags[sweep.train_flags.index("--actor.adam.lr") + 1] == "5e-05"
     assert sweep.eval_flags[:2] == ("--backend", "hf")  # the demo evaluates with HF on CPU
+
+
+def test_a_sweep_run_one_seed_at_a_time_reports_every_seed(inputs: Path) -> None:
+    """``--seeds 0`` then ``--seeds 1`` (e.g. two submissions side by side): the resolved
+    sweep that status and report read holds both seeds, not only the last one's."""
+    from drpo_openrlhf.sweep.cli import RESOLVED, save_resolved
+
+    path = write_sweep(inputs, FRONTIER, seeds="[0, 1]")
+    for seed in (0, 1):
+        save_resolved(load_sweep(path, "local", [seed]), [seed])
+    resolved = load_sweep(inputs / "out" / RESOLVED, "none")
+    assert sorted({r.seed for r in resolved.runs}) == [0, 1]

@@ -74,11 +74,13 @@ def _resolved(path: Path) -> Path:
 
 
 def save_resolved(sweep: Sweep, seeds: list[int] | None) -> Path:
+    """Writes the resolved sweep; its seeds are those of every submission so far, so that
+    a sweep run one seed at a time (``--seeds``) reports all of them."""
     data = resolve_paths(read_file(sweep.source))
     data["output_dir"] = str(sweep.output_dir)
-    if seeds is not None:
-        data["seeds"] = seeds
     path = sweep.output_dir / RESOLVED
+    earlier = json.loads(path.read_text(encoding="utf-8"))["seeds"] if path.is_file() else []
+    data["seeds"] = sorted({*earlier, *(data.get("seeds", []) if seeds is None else seeds)})
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     return path
@@ -105,7 +107,7 @@ def run_command(args: argparse.Namespace) -> int:
         save_resolved(sweep, args.seeds)
         failed = local.run_all(sweep, todo) if todo else []
         if not args.no_report and any(state.done(sweep.run_dir(r)) for r in sweep.runs):
-            print(f"report: {write_report(sweep)}")
+            print(f"report: {write_report(load_sweep(sweep_file, 'none'))}")
         if failed:
             print(f"{len(failed)} run(s) failed: {', '.join(failed)}; re-run to retry them")
         return 1 if failed else 0
