@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 
-from drpo_openrlhf.integration.reward_guard import DEFAULT_TIMEOUT_S, TIMEOUT_ENV
+from drpo_openrlhf.integration.reward_guard import TIMEOUT_ENV, call_timeout_s
 from drpo_openrlhf.rewards.positive_reward import PositiveReward, PositiveRewardError, load
 
 logger = logging.getLogger(__name__)
@@ -86,7 +85,7 @@ class PositiveRewardEngine:
         reward = self._positive_reward
         if reward is None:
             return outputs
-        timeout = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
+        timeout = call_timeout_s()
         try:
             scores = await score_group(outputs, prompt, label, hf_tokenizer, reward, timeout)
         except PositiveRewardError:

@@ -36,6 +36,11 @@ class RewardError(RuntimeError):
     """A rollout with responses the reward function did not score."""
 
 
+def call_timeout_s() -> float:
+    """The time limit of one reward (or positive-reward) call, from ``TIMEOUT_ENV``."""
+    return float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
+
+
 def _values(value) -> list[float] | None:
     if isinstance(value, torch.Tensor):
         return value.detach().float().flatten().tolist()
@@ -87,9 +92,7 @@ def _call_with_timeout(func: Callable, timeout: float, *args):
 def guard_reward_func(reward_func: Callable, timeout: float | None = None) -> Callable:
     """``reward_func`` whose failures become logged NaN rewards (``check_rollout_rewards``
     then stops the run)."""
-    limit = (
-        timeout if timeout is not None else float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
-    )
+    limit = timeout if timeout is not None else call_timeout_s()
 
     def guarded(queries, prompts, labels, **kwargs):
         try:
