@@ -25,6 +25,7 @@ from drpo_openrlhf.integration.checkpoints import prepare_resume, stop_message
 from drpo_openrlhf.integration.device import DEVICES
 from drpo_openrlhf.integration.layout import Layout
 from drpo_openrlhf.openrlhf_cli import openrlhf_parser
+from drpo_openrlhf.rewards import positive_reward
 
 
 def reward_plugin_path(name: str = "math_reward.py") -> str:
@@ -305,7 +306,7 @@ def check_positive_reward(args: argparse.Namespace, baseline: bool) -> str:
     """``--drpo.positive_reward`` loaded and probed (``preflight``); returns it with its
     files' paths as the Ray workers will find them."""
     spec = getattr(args, "drpo.positive_reward")
-    if preflight.is_length_reward(spec):
+    if positive_reward.is_default(spec):  # nothing to load or probe
         return spec
     if baseline:
         raise ValueError(

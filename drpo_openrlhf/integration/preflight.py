@@ -69,11 +69,6 @@ def check_reward_file(path: str) -> None:
         )
 
 
-def is_length_reward(spec: str) -> bool:
-    """``--drpo.positive_reward`` is today's length reward (nothing to load or probe)."""
-    return spec.strip() == "length"
-
-
 def portable_path(path: str) -> str:
     """A plugin path as every Ray worker finds it: absolute, except inside a Ray
     ``working_dir`` copy (whose absolute path differs from node to node), where a relative
