@@ -342,18 +342,9 @@ RUN_DIR=$OUTPUT_ROOT/$RUN_NAME
 CKPT_DIR=$(abs "${CKPT_DIR:-$RUN_DIR/ckpt}")
 mkdir -p "$CKPT_DIR"
 
-# DeepSpeed writes `latest` only once a checkpoint is complete. An `_actor` directory without
-# it (preempted during the first save) would make OpenRLHF's resume path fail, so set it aside.
-if [[ -d $CKPT_DIR/_actor && ! -f $CKPT_DIR/_actor/latest ]]; then
-  aside=$CKPT_DIR/_actor.incomplete-$(date +%Y%m%d-%H%M%S)
-  log "no complete checkpoint in $CKPT_DIR/_actor; moving it to $aside and starting fresh"
-  mv "$CKPT_DIR/_actor" "$aside"
-fi
-if [[ -f $CKPT_DIR/_actor/latest ]]; then
-  log "resuming from $CKPT_DIR/_actor/$(<"$CKPT_DIR/_actor/latest")"
-else
-  log "no checkpoint in $CKPT_DIR: starting fresh"
-fi
+# With --ckpt.load_enable the entry point picks the newest *complete* checkpoint (DeepSpeed
+# writes `latest` before every rank has finished; drpo_openrlhf/integration/checkpoints.py)
+# and logs "drpo_openrlhf: resuming from ...": the launcher leaves that choice to it.
 
 # OpenRLHF ends an episode (a pass over the prompts) with whatever prompts are left; DRPO
 # trains only the whole-group optimizer steps of such a short rollout (and logs what it left

@@ -355,20 +355,6 @@ def test_too_few_prompts_is_a_clear_error(harness: Harness) -> None:
     assert "has 100 prompts, fewer than ROLLOUT_PROMPTS=128" in run.output
 
 
-# ---------------------------------------------------------------------------------------------
-# Resubmission resumes
-# ---------------------------------------------------------------------------------------------
-def test_incomplete_checkpoint_is_set_aside(harness: Harness) -> None:
-    ckpt = harness.tmp / "out" / "drpo-job_drpo_lam0.1" / "ckpt"
-    (ckpt / "_actor" / "global_step20").mkdir(parents=True)  # preempted before `latest`
-    run = harness.run(recipe("1.5b"))
-    assert run.returncode == 0, run.output
-    assert not (ckpt / "_actor").exists()
-    (aside,) = ckpt.glob("_actor.incomplete-*")
-    assert (aside / "global_step20").is_dir()
-    assert "starting fresh" in run.output
-
-
 def test_recipe_outside_the_repository_is_a_clear_error(harness: Harness) -> None:
     run = harness.run(recipe("7b"), SLURM_SUBMIT_DIR=str(harness.tmp))
     assert run.returncode == 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import re
 import socket
 import sys
 import time
@@ -219,8 +220,6 @@ def test_time_limit_warning_requeues_and_resumes(jobs: Jobs, cluster: SlurmClust
     assert_ray_stopped(run.calls[run.index("ray", "job", "stop") : rerun], NODES)
 
     # The rerun: same output file (--open-mode=append), SLURM_RESTART_COUNT=1, same run dir.
-    ckpt = jobs.tmp / "out" / "drpo-8b_drpo_lam0.1" / "ckpt"
-    assert f"resuming from {ckpt}/_actor/global_step20" in run.output[run.output.index(requeue) :]
     submits = run.of("ray", "job", "submit")
     assert [c["argv"][5] for c in submits] == [first, second]
     (resumed,) = run.of("ray", "<job resumed>")
@@ -349,7 +348,8 @@ def test_real_pipeline_requeues_and_resumes(cluster: SlurmCluster, toy, tmp_path
     rerun = output[len(first_run) :]
     assert "Global step 1:" in first_run and "received SIGUSR1" in first_run
     assert f"requeueing job {job_id}" in first_run
-    resumed_at = int(rerun.split(f"resuming from {ckpt}/global_step", 1)[1].split()[0])
+    # the entry point's choice: `latest` may name a step whose save the USR1 interrupted
+    resumed_at = int(re.search(rf"drpo_openrlhf: resuming from {ckpt}/global_step(\d+)", rerun)[1])
     assert 1 <= resumed_at < steps, rerun
     assert f"Global step {resumed_at + 1}:" in rerun and f"Global step {resumed_at}:" not in rerun
     assert f"Global step {steps}:" in rerun and f"drpo-1.5b_drpo_lam0.1-{job_id}-1" in rerun

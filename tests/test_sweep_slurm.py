@@ -154,8 +154,6 @@ def test_sweep_submits_one_job_array_whose_tasks_requeue_and_resume(
 
     drpo_log = logs[f"arr-{array}_1.out"]
     assert "received SIGUSR1" in drpo_log and "requeueing job" in drpo_log
-    ckpt = out / "drpo-lambda0.1-s0" / "ckpt"
-    assert f"resuming from {ckpt}/_actor/global_step20" in drpo_log
     recorded = [json.loads(line) for line in calls.read_text().splitlines()]
     assert [c["argv"] for c in recorded if c["argv"][0] == "<job resumed>"] == [
         ["<job resumed>", "global_step20"]

@@ -5,10 +5,8 @@ share from the run's logs, and the done marker. Slurm tasks train through the re
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from drpo_openrlhf.sweep import state
@@ -49,17 +47,9 @@ def run_logged(command: list[str], log: Path, label: str) -> None:
         raise RuntimeError(f"{label} exited with {code}; log: {log}\n{tail}")
 
 
-def set_aside_incomplete_checkpoint(ckpt: Path) -> None:
-    """As the launcher does: an ``_actor`` dir without ``latest`` (killed during its first
-    save) would make OpenRLHF's resume fail, so it is moved aside and the run starts fresh."""
-    actor = ckpt / "_actor"
-    if actor.is_dir() and not (actor / "latest").exists():
-        shutil.move(str(actor), str(ckpt / f"_actor.incomplete-{time.strftime('%Y%m%d-%H%M%S')}"))
-
-
 def train(sweep: Sweep, run: Run, python: str = sys.executable) -> None:
+    """Trains through the entry point, which resumes from the newest complete checkpoint."""
     out = sweep.run_dir(run)
-    set_aside_incomplete_checkpoint(out / "ckpt")
     command = [python, "-m", "drpo_openrlhf.train", *train_argv(sweep, run)]
     run_logged(command, out / "train.log", f"{run.name} train")
 
