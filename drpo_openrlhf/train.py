@@ -23,7 +23,7 @@ from drpo_openrlhf.algo.shaping import METHODS
 from drpo_openrlhf.integration import memory_plan, preflight
 from drpo_openrlhf.integration.checkpoints import prepare_resume, stop_message
 from drpo_openrlhf.integration.device import DEVICES
-from drpo_openrlhf.integration.layout import Layout
+from drpo_openrlhf.integration.layout import Layout, data_parallel_size
 from drpo_openrlhf.openrlhf_cli import openrlhf_parser
 from drpo_openrlhf.rewards import positive_reward
 
@@ -71,7 +71,6 @@ REJECTED_FLAGS = {
     "--algo.kl.use_loss": "DRPO's KL term is its trust region (--drpo.delta/--drpo.beta0)",
     "--train.max_epochs": "DRPO takes one pass over each rollout (Algorithm 1); drop it",
     "--train.async_enable": "asynchronous training uses another trainer; drop it for DRPO",
-    "--ds.ring_attn_size": "ring attention is not supported by the DRPO actor yet",
     "--ds.tensor_parallel_size": "DeepSpeed tensor parallelism is not supported by DRPO yet",
     "--algo.advantage.is_correction_level": "importance-sampling correction is part of PPO's loss",
 }
@@ -338,8 +337,9 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> DRPOC
             raise ValueError(f"{flag} is not used by DRPO: {advice}")
     if getattr(args, "algo.advantage.estimator") == "gae":
         raise ValueError("--algo.advantage.estimator gae needs a critic; DRPO uses none")
+    gpus = getattr(args, "actor.num_nodes") * getattr(args, "actor.num_gpus_per_node")
     Layout(
-        world_size=getattr(args, "actor.num_nodes") * getattr(args, "actor.num_gpus_per_node"),
+        world_size=data_parallel_size(gpus, getattr(args, "ds.ring_attn_size")),
         n_samples_per_prompt=getattr(args, "rollout.n_samples_per_prompt"),
         rollout_batch_size=getattr(args, "rollout.batch_size"),
         train_batch_size=getattr(args, "train.batch_size"),

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 
 import actor_setup
+import pytest
 import torch
 
 N, PROMPTS, TRAIN_BATCH = 4, 8, 16  # responses per prompt, prompts per rollout, per step
@@ -26,6 +27,9 @@ class Case:
     # a positive reward other than length (--drpo.positive_reward): each response carries its
     # score in experience.info, as the vLLM engines put it there
     preference: bool = False
+    # --ds.ring_attn_size: consecutive ranks share responses and split their packed tokens
+    # (OpenRLHF packs samples under ring attention); the flash-attn stand-in's kernels
+    ring: int = 1
 
     @property
     def name(self) -> str:
@@ -33,10 +37,12 @@ class Case:
         batching = "dynamic" if self.dynamic else f"micro{self.micro_batch_size}"
         name = f"zero{self.zero_stage}-{batching}-{packed}-{self.kl_estimate}-short{self.short}"
         name += "-preference" if self.preference else ""
+        name += f"-ring{self.ring}" if self.ring > 1 else ""
         return name + (f"-chunk{self.chunk}" if self.chunk else "")
 
 
 def layout(case: Case, world: int):
+    """The case's layout over ``world`` data-parallel ranks (ring groups, under SP)."""
     from drpo_openrlhf.integration.layout import Layout
 
     return Layout(
@@ -45,8 +51,9 @@ def layout(case: Case, world: int):
 
 
 def rank_share(case: Case, rank: int, world: int) -> tuple[torch.Tensor, dict]:
-    """The rollout positions a rank receives and their ``info`` (group ids; slots unless
-    under dynamic batching; positive rewards when the case has them)."""
+    """The rollout positions data-parallel rank ``rank`` of ``world`` receives and their
+    ``info`` (group ids; slots unless under dynamic batching; positive rewards when the case
+    has them)."""
     from drpo_openrlhf.integration.actor_trainer import GROUP_KEY
     from drpo_openrlhf.integration.positive_engine import POSITIVE_KEY
 
@@ -64,7 +71,10 @@ def rank_share(case: Case, rank: int, world: int) -> tuple[torch.Tensor, dict]:
     return local, info
 
 
-def tiny_model():
+def tiny_model(attention: str = "sdpa"):
+    """The test policy; ``attention="flash_attention_2"`` routes its attention through the
+    function OpenRLHF's ring attention registers under that name (set after construction:
+    transformers refuses to build a flash-attention model without CUDA)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
@@ -80,7 +90,9 @@ def tiny_model():
         use_cache=False,
         attn_implementation="sdpa",
     )
-    return Qwen2ForCausalLM(config).float()
+    model = Qwen2ForCausalLM(config).float()
+    model.config._attn_implementation = attention
+    return model
 
 
 def rollout(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -123,6 +135,7 @@ def old_log_probs(data) -> torch.Tensor:
 
 
 def openrlhf_args(case: Case, world: int):
+    """OpenRLHF's args of the case on ``world`` ranks (all of them, ring ranks included)."""
     flags = [
         "--rollout.n_samples_per_prompt",
         str(N),
@@ -158,6 +171,9 @@ def openrlhf_args(case: Case, world: int):
     ]
     if case.packing:
         flags.append("--ds.packing_samples")
+    if case.ring > 1:
+        assert case.packing, "OpenRLHF packs samples under ring attention"
+        flags += ["--ds.ring_attn_size", str(case.ring)]
     if case.dynamic:
         flags += ["--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", str(MAX_TOKENS)]
     return actor_setup.openrlhf_args(flags)
@@ -175,6 +191,22 @@ def count_forwards(module: torch.nn.Module) -> list[int]:
     calls: list[int] = []
     module.register_forward_pre_hook(lambda *_: calls.append(1))
     return calls
+
+
+def record_slices(actor, model: torch.nn.Module) -> list[tuple[int, int]]:
+    """``(tokens of the micro-batch, tokens this rank's model forwarded)`` per actor forward:
+    under ring attention each rank must forward only its slice of the packed tokens."""
+    pairs: list[tuple[int, int]] = []
+
+    def actor_hook(_module, args, kwargs) -> None:
+        pairs.append((int(kwargs["attention_mask"].sum()), -1))
+
+    def model_hook(_module, args, _kwargs) -> None:
+        pairs[-1] = (pairs[-1][0], args[0].shape[-1])
+
+    actor.register_forward_pre_hook(actor_hook, with_kwargs=True)
+    model.register_forward_pre_hook(model_hook, with_kwargs=True)
+    return pairs
 
 
 def whole_group_microsteps(case: Case, world: int) -> bool:
@@ -200,23 +232,33 @@ def dynamic_microsteps(case: Case, world: int, lengths: torch.Tensor, step: torc
         for i in rank_share(case, rank, world)[0].tolist():
             if i // N in shares:
                 shares[i // N][rank] += int(lengths[i])
-    groups = pack_group_microsteps(shares, MAX_TOKENS)
+    groups = pack_group_microsteps(shares, MAX_TOKENS * case.ring)
     assert groups is not None, "the test rollout must pack into one-pass micro-steps"
     return [torch.tensor([i for i in step.tolist() if i // N in g]) for g in groups]
 
 
 def run_rank(rank: int, world: int, port: int, cases: list[Case], out_dir: str) -> None:
-    """One data-parallel rank: OpenRLHF strategy + actor + trainer, DRPO's ppo_train."""
+    """One rank: OpenRLHF strategy + actor + trainer, DRPO's ppo_train. Under ring attention
+    the ``case.ring`` consecutive ranks of a ring group receive the same share, as OpenRLHF's
+    driver deals it."""
     actor_setup.set_rank_env(rank, world, port)
+    import transformers.modeling_flash_attention_utils as hf_flash
+
     from drpo_openrlhf.integration import chunked_actor
     from drpo_openrlhf.integration.actor_trainer import DRPOActorTrainer
 
+    # ring_flash_attn wraps this function when OpenRLHF's strategy sets up a ring group, and
+    # refuses to wrap its own wrapper: give every case's strategy the original, as a fresh
+    # process (one strategy per process in a real run) would have
+    unwrapped = hf_flash._flash_attention_forward
     data = rollout()
     old = old_log_probs(data)
     for case in cases:
-        local, info = rank_share(case, rank, world)
+        hf_flash._flash_attention_forward = unwrapped
+        local, info = rank_share(case, rank // case.ring, world // case.ring)
         strategy = actor_setup.setup_strategy(openrlhf_args(case, world), "fp32")
-        actor, optim, scheduler = actor_setup.prepare_actor(strategy, tiny_model())
+        attention = "flash_attention_2" if case.ring > 1 else "sdpa"
+        actor, optim, scheduler = actor_setup.prepare_actor(strategy, tiny_model(attention))
         chunked_actor.install(actor, case.chunk)
         trainer = actor_setup.ppo_trainer(strategy, actor, optim, scheduler)
         trainer.__class__ = DRPOActorTrainer
@@ -224,6 +266,7 @@ def run_rank(rank: int, world: int, port: int, cases: list[Case], out_dir: str) 
         local_data = {k: v[local] for k, v in data.items()}
         trainer.replay_buffer.append(actor_setup.experience(local_data, old[local], info))
         forwards = count_forwards(actor)
+        slices = record_slices(actor, actor.model.module)
         with actor_setup.cuda_queries_answered("cpu", "cpu"):
             status = trainer.ppo_train(0.0)
         weights = actor_setup.whole_parameters(actor.model.module, case.zero_stage)
@@ -233,13 +276,29 @@ def run_rank(rank: int, world: int, port: int, cases: list[Case], out_dir: str) 
                 "status": status,
                 "mode": None if case.dynamic else trainer.drpo_mode,
                 "forwards": len(forwards),
+                "slices": slices,
             }
             torch.save(result, os.path.join(out_dir, case.name + ".pt"))
         torch.distributed.barrier()
 
 
+def assert_matches_reference(got: dict, case: Case, world: int) -> None:
+    """The distributed run's weights, dropped-response count and logged loss equal the
+    one-piece reference's (``world`` data-parallel ranks)."""
+    expected, losses = reference_weights(case, world)
+    initial = [p.detach().double() for p in tiny_model().parameters()]
+    update = max((e - i).abs().max().item() for e, i in zip(expected, initial, strict=True))
+    error = max((e - g).abs().max().item() for e, g in zip(expected, got["weights"], strict=True))
+    assert update > 1e-2  # the two steps really moved the weights...
+    assert error < 1e-5 * update / 1e-2  # ...and both paths moved them identically
+    trained = len(losses) * TRAIN_BATCH
+    assert got["status"]["drpo/dropped_responses"] == PROMPTS * N - case.short - trained
+    assert got["status"]["policy_loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-4)
+
+
 def reference_weights(case: Case, world: int) -> tuple[list[torch.Tensor], list[float]]:
-    """One-piece gradient of each mini-batch objective (same groups per step), torch AdamW."""
+    """One-piece gradient of each mini-batch objective (same groups per step, ``world``
+    data-parallel ranks), torch AdamW."""
     from openrlhf.models import Actor
 
     from drpo_openrlhf.algo import ResponseScalars, minibatch_loss, response_scalars

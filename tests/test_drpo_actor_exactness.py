@@ -15,12 +15,11 @@ from drpo_actor_harness import (
     TRAIN_BATCH,
     Case,
     N,
+    assert_matches_reference,
     dynamic_microsteps,
     one_pass_expected,
-    reference_weights,
     rollout,
     run_rank,
-    tiny_model,
     whole_group_microsteps,
 )
 
@@ -78,16 +77,7 @@ def distributed_results(tmp_path_factory):
     ("world", "case"), [(w, c) for w, cases in CASES.items() for c in cases], ids=str
 )
 def test_drpo_update_matches_one_piece_reference(distributed_results, world, case):
-    got = distributed_results[world, case]
-    expected, losses = reference_weights(case, world)
-    initial = [p.detach().double() for p in tiny_model().parameters()]
-    update = max((e - i).abs().max().item() for e, i in zip(expected, initial, strict=True))
-    error = max((e - g).abs().max().item() for e, g in zip(expected, got["weights"], strict=True))
-    assert update > 1e-2  # the two steps really moved the weights...
-    assert error < 1e-5 * update / 1e-2  # ...and both paths moved them identically
-    trained = len(losses) * TRAIN_BATCH
-    assert got["status"]["drpo/dropped_responses"] == PROMPTS * N - case.short - trained
-    assert got["status"]["policy_loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-4)
+    assert_matches_reference(distributed_results[world, case], case, world)
 
 
 @pytest.mark.slow

@@ -121,6 +121,34 @@ def test_the_paper_batch_runs_on_64_gpus_and_refuses_a_rank_count_that_does_not_
     assert "--train.dynamic_batch_enable" in openrlhf_argv
 
 
+def test_ring_attn_size_is_accepted_and_the_layout_counts_ring_groups(capsys):
+    """Under ring attention the ranks of a ring group share responses: 512 GPUs cannot share
+    256 responses per step, their 128 ring groups of 4 can (2 each)."""
+    gpus = ["--actor.num_nodes", "64", "--actor.num_gpus_per_node", "8"]
+    argv = [*BASE, *gpus, "--train.micro_batch_size", "2"]
+    with pytest.raises(SystemExit):
+        train.parse(argv)
+    _, _, openrlhf_argv = train.parse([*argv, "--ds.ring_attn_size", "4"])
+    assert value_after(openrlhf_argv, "--ds.ring_attn_size") == ["4"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        train.parse([*BASE, "--actor.num_gpus_per_node", "6", "--ds.ring_attn_size", "4"])
+    assert "--ds.ring_attn_size (4) must divide the 6 actor GPUs" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train.parse([*BASE, "--actor.num_gpus_per_node", "2", "--ds.tensor_parallel_size", "2"])
+    assert "tensor parallelism is not supported" in capsys.readouterr().err
+
+
+def test_ring_attention_is_refused_on_a_cpu_run(entry_point, capsys):
+    """Ring attention runs on flash-attn's CUDA kernels; the CPU pipeline has none."""
+    argv = [*BASE, "--actor.num_gpus_per_node", "2", "--ds.ring_attn_size", "2"]
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(argv)
+    assert exit_info.value.code == 2
+    assert "flash-attn's CUDA kernels" in capsys.readouterr().err
+    assert "name" not in entry_point  # OpenRLHF never started
+
+
 def test_flags_at_their_openrlhf_default_are_accepted():
     train.parse([*BASE, "--train.max_epochs", "1", "--actor.eps_clip", "0.2"])
 

@@ -14,6 +14,14 @@ optimizer step holds whole prompt groups across the ranks. An optimizer step run
    DeepSpeed's ``1/GAS`` and data-parallel mean. The accumulated gradient is exactly the
    gradient of the paper's objective over the mini-batch.
 
+*Sequence parallelism* (``--ds.ring_attn_size``): the ranks of a ring group hold the same
+responses, each forwards a slice of their packed tokens, and OpenRLHF's ``Actor`` all-gathers
+the token log-probs, so every ring rank computes the same per-response scalars from the whole
+response. The scalars are therefore exchanged over the data-parallel group only (each
+response counted once), and the loss scale counts data-parallel ranks, not all ranks:
+DeepSpeed averages gradients over every rank, and the gather's backward already sums the ring
+ranks' identical loss gradients (``data_parallel_group``, ``_accumulate``).
+
 *One pass*: with ``kl_estimate="microstep"`` and global micro-steps that hold whole groups
 (``n`` divides micro-batch x ranks, or under dynamic batching groups packed into micro-steps
 by ``pack_group_microsteps``), a micro-step's scalars alone give its coefficients
@@ -81,17 +89,31 @@ def correctness(scores: Tensor) -> Tensor:
     return scores == 1
 
 
-def all_gather_counts(counts: list[int], device: torch.device) -> list[list[int]]:
-    """``counts`` (one per micro-step) of every rank, ``[micro-step][rank]``: one collective
-    per optimizer step, so that each micro-step's scalars need only one."""
+def data_parallel_group(strategy) -> dist.ProcessGroup | None:
+    """The ranks that hold different responses: one rank of each ring-attention group
+    (OpenRLHF's ``dp`` mesh dimension), or ``None``, the default group, without ring
+    attention. Collectives that count responses run over it, so that each counts once."""
+    if strategy.ring_attn_size == 1:
+        return None
+    return strategy.ds_device_mesh["dp"].get_group()
+
+
+def all_gather_counts(
+    counts: list[int], device: torch.device, group: dist.ProcessGroup | None = None
+) -> list[list[int]]:
+    """``counts`` (one per micro-step) of every rank of ``group``, ``[micro-step][rank]``: one
+    collective per optimizer step, so that each micro-step's scalars need only one."""
     local = torch.tensor(counts, device=device)
-    parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, local)
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local, group=group)
     return torch.stack(parts, dim=1).tolist()
 
 
-def all_gather_scalars(local: ResponseScalars, counts: list[int]) -> tuple[ResponseScalars, int]:
-    """Every rank's scalars, concatenated in rank order, and where this rank's start.
+def all_gather_scalars(
+    local: ResponseScalars, counts: list[int], group: dist.ProcessGroup | None = None
+) -> tuple[ResponseScalars, int]:
+    """Every rank's scalars (of ``group``), concatenated in rank order, and where this rank's
+    start.
 
     Ranks may hold different numbers of responses (dynamic batching), so every rank's count
     is given (``all_gather_counts``) and the columns are padded to the largest one for the
@@ -109,12 +131,12 @@ def all_gather_scalars(local: ResponseScalars, counts: list[int]) -> tuple[Respo
         ]
     )
     padded = F.pad(columns, (0, max(counts) - columns.shape[1]))
-    parts = [torch.empty_like(padded) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, padded)
+    parts = [torch.empty_like(padded) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, padded, group=group)
     merged = torch.cat([p[:, :c] for p, c in zip(parts, counts, strict=True)], dim=1)
-    s, kl, tokens, correct, group, micro, *carried = merged
-    gathered = ResponseScalars(s, kl, tokens, correct.bool(), group.long(), micro.long(), *carried)
-    return gathered, sum(counts[: dist.get_rank()])
+    s, kl, tokens, correct, prompt, micro, *carried = merged
+    gathered = ResponseScalars(s, kl, tokens, correct.bool(), prompt.long(), micro.long(), *carried)
+    return gathered, sum(counts[: dist.get_rank(group)])
 
 
 class DRPOActorTrainer(ActorPPOTrainer):
@@ -124,13 +146,15 @@ class DRPOActorTrainer(ActorPPOTrainer):
     drpo: DRPOConfig
     drpo_max_len: int
     drpo_layout: Layout
+    drpo_group: dist.ProcessGroup | None
 
     def enable_drpo(self, config: DRPOConfig) -> None:
         args = self.args
         self.drpo = config
         self.drpo_max_len = args.rollout.max_new_tokens
+        self.drpo_group = data_parallel_group(self.strategy)
         self.drpo_layout = Layout(
-            world_size=dist.get_world_size(),
+            world_size=dist.get_world_size(self.drpo_group),
             n_samples_per_prompt=args.rollout.n_samples_per_prompt,
             rollout_batch_size=args.rollout.batch_size,
             train_batch_size=args.train.batch_size,
@@ -207,8 +231,9 @@ class DRPOActorTrainer(ActorPPOTrainer):
         return plan, [mode] * len(plan)
 
     def _all_reduce(self, value: int, op) -> int:
+        """``value`` reduced over the data-parallel ranks (each response counted once)."""
         tensor = torch.tensor([value], device=self._device())
-        dist.all_reduce(tensor, op=op)
+        dist.all_reduce(tensor, op=op, group=self.drpo_group)
         return int(tensor)
 
     def _plan_dynamic(
@@ -223,9 +248,11 @@ class DRPOActorTrainer(ActorPPOTrainer):
         otherwise each rank's share is cut into token-balanced micro-batches by OpenRLHF's
         own functions and the step runs a scores pass."""
         layout = self.drpo_layout
-        world = dist.get_world_size()
+        world = layout.world_size
         everyone: list[list[tuple[int, int]]] = [[] for _ in range(world)]
-        dist.all_gather_object(everyone, list(zip(group_ids, lengths, strict=True)))
+        dist.all_gather_object(
+            everyone, list(zip(group_ids, lengths, strict=True)), group=self.drpo_group
+        )
         step_of = assign_group_steps(
             [g for pairs in everyone for g, _ in pairs],
             layout.n_samples_per_prompt,
@@ -237,7 +264,8 @@ class DRPOActorTrainer(ActorPPOTrainer):
             for g, length in pairs:
                 if g in shares:
                     shares[g][rank] += length
-        max_tokens = self.args.train.max_tokens_per_gpu
+        # a ring group shares its micro-batch's tokens, as in OpenRLHF's own budget
+        max_tokens = self.args.train.max_tokens_per_gpu * self.strategy.ring_attn_size
         plan, modes = [], []
         for k in range(len(set(step_of.values()))):
             mine = [i for i, g in enumerate(group_ids) if step_of.get(g) == k]
@@ -306,7 +334,8 @@ class DRPOActorTrainer(ActorPPOTrainer):
 
     def _microstep_counts(self, batches: list) -> list[list[int]]:
         """Every rank's response count of each micro-step, known before any forward."""
-        return all_gather_counts([len(b.info[GROUP_KEY]) for b in batches], self._device())
+        counts = [len(b.info[GROUP_KEY]) for b in batches]
+        return all_gather_counts(counts, self._device(), self.drpo_group)
 
     def _check_whole(self, gathered: ResponseScalars, where: str) -> None:
         counts = gathered.group_id.unique(return_counts=True)[1]
@@ -321,8 +350,8 @@ class DRPOActorTrainer(ActorPPOTrainer):
             local = ResponseScalars.concat(
                 [self._scalars(b, j, use_old=policy_is_old) for j, b in enumerate(batches)]
             )
-        counts = all_gather_counts([local.score.numel()], self._device())[0]
-        gathered, offset = all_gather_scalars(local, counts)
+        counts = all_gather_counts([local.score.numel()], self._device(), self.drpo_group)[0]
+        gathered, offset = all_gather_scalars(local, counts, self.drpo_group)
         self._check_whole(gathered, "the optimizer step")
         score_coef, kl_coef, metrics = loss_coefficients(gathered, self.drpo, self.drpo_max_len)
         for j, batch in enumerate(batches):
@@ -341,7 +370,7 @@ class DRPOActorTrainer(ActorPPOTrainer):
         parts = []
         for j, batch in enumerate(batches):
             r = self._scalars(batch, j, use_old=False)
-            gathered, offset = all_gather_scalars(r, counts[j])
+            gathered, offset = all_gather_scalars(r, counts[j], self.drpo_group)
             self._check_whole(gathered, f"micro-step {j}")
             score_coef, kl_coef = microstep_coefficients(
                 gathered, self.drpo, self.drpo_max_len, num_groups, len(batches)
@@ -365,7 +394,7 @@ class DRPOActorTrainer(ActorPPOTrainer):
         counts = self._microstep_counts(batches)
         for j, batch in enumerate(batches):
             r = self._scalars(batch, j, use_old=False)
-            gathered, offset = all_gather_scalars(r, counts[j])
+            gathered, offset = all_gather_scalars(r, counts[j], self.drpo_group)
             self._check_whole(gathered, f"micro-step {j}")
             base = sum(p.score.numel() for p in parts)
             where.append((base + offset, base + offset + r.score.numel()))
@@ -407,8 +436,10 @@ class DRPOActorTrainer(ActorPPOTrainer):
         engine = self.actor.model
         engine.set_gradient_accumulation_boundary(last)
         loss = surrogate_loss(r.score, r.kl_sum, score_coef.to(device), kl_coef.to(device))
-        # undo DeepSpeed's 1/GAS and data-parallel mean
-        scale = engine.gradient_accumulation_steps() * dist.get_world_size()
+        # undo DeepSpeed's 1/GAS and its mean over all ranks; under ring attention the ranks
+        # of a ring group back-propagate the same loss, which the log-prob gather's backward
+        # sums over the group, so the mean over all ranks is one over data-parallel ranks
+        scale = engine.gradient_accumulation_steps() * dist.get_world_size(self.drpo_group)
         self.strategy.backward(loss * scale, self.actor, self.actor_optim)
         if last:
             skipped = engine.skipped_steps

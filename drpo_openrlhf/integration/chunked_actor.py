@@ -10,9 +10,11 @@ a module, its forward swapped for the chunked log-probs for that one call.
 
 Only what DRPO and OpenRLHF's PPO update (the baselines) call is supported: action log-probs
 of padded or packed samples, with the model's output when asked (``return_output``: the PPO
-update reads only its MoE ``aux_loss``; its ``logits`` hold no position). Anything else
-(entropy, all-gathered logits, ring attention, multimodal inputs) is refused, not silently
-computed unchunked.
+update reads only its MoE ``aux_loss``; its ``logits`` hold no position). Under ring attention
+(packed samples only, as OpenRLHF forces) each rank computes the log-probs of its slice of the
+packed tokens in chunks and OpenRLHF's helpers gather them, exactly as its own forward does.
+Anything else (entropy, all-gathered logits, ring attention over padded rows, multimodal
+inputs) is refused, not silently computed unchunked.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ class ChunkedLogProbActor(Actor):
             "action_mask=None": action_mask is None,
             "return_entropy": return_entropy,
             "allgather_logits": allgather_logits,
-            "ring attention": ring_attn_group is not None,
+            "ring attention without packed samples": ring_attn_group is not None
+            and not self.packing_samples,
             "multimodal inputs": bool(mm_inputs) or getattr(self, "is_vlm", False),
         }
         refused = [name for name, asked in unsupported.items() if asked]
@@ -61,7 +64,7 @@ class ChunkedLogProbActor(Actor):
         batch, seqlen = sequences.shape
         if self.packing_samples:
             sequences, position_ids, labels, pad_len, indices = unpad_and_slice_tensor(
-                sequences, attention_mask, None
+                sequences, attention_mask, ring_attn_group
             )
             mask = None
         else:
@@ -72,7 +75,9 @@ class ChunkedLogProbActor(Actor):
         hidden, output = self._last_hidden_states(sequences, mask, position_ids)
         log_probs = self._log_probs(hidden, labels)
         if self.packing_samples:
-            log_probs = gather_and_pad_tensor(log_probs, None, pad_len, indices, batch, seqlen)
+            log_probs = gather_and_pad_tensor(
+                log_probs, ring_attn_group, pad_len, indices, batch, seqlen
+            )
         log_probs = log_probs[:, :-1]
         action_log_probs = log_probs[:, -action_mask.shape[1] :] * action_mask.float()
         return (action_log_probs, output) if return_output else action_log_probs

@@ -32,11 +32,17 @@ def has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-def check_layout(zero_stage: int, actor_ranks: int) -> None:
+def check_layout(zero_stage: int, actor_ranks: int, ring_attn_size: int = 1) -> None:
     """Refuse what a CPU run cannot do reliably. ZeRO-3 over several gloo ranks: OpenRLHF
     loads the model under ``zero.Init``, whose gathers wait on the last of their async gloo
     all-gathers only; on CPU the others can still be running and some loaded shards come out
-    as uninitialised memory (docs/status.md). NCCL completes them in order, so GPUs are fine."""
+    as uninitialised memory (docs/status.md). NCCL completes them in order, so GPUs are fine.
+    Ring attention: it runs on flash-attn's kernels, which exist only for CUDA."""
+    if ring_attn_size > 1:
+        raise ValueError(
+            "--ds.ring_attn_size > 1 needs flash-attn's CUDA kernels (ring_flash_attn), which "
+            "a CPU run does not have: drop it"
+        )
     if zero_stage == 3 and actor_ranks > 1:
         raise ValueError(
             "--ds.zero_stage 3 with several actor ranks is not supported without a GPU (gloo "

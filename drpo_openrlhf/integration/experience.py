@@ -24,7 +24,7 @@ from openrlhf.trainer.ppo_utils.experience import make_experience_batch, split_e
 from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 
 from drpo_openrlhf.integration.actor_trainer import GROUP_KEY, SLOT_KEY
-from drpo_openrlhf.integration.layout import Layout, deal_rollout
+from drpo_openrlhf.integration.layout import Layout, data_parallel_size, deal_rollout
 from drpo_openrlhf.integration.reward_guard import check_rollout_rewards
 
 
@@ -90,5 +90,6 @@ class GroupTaggingExperienceMaker(RemoteExperienceMaker):
         args = self.strategy.args
         if args.train.dynamic_batch_enable:
             return experiences
-        world = args.actor.num_nodes * args.actor.num_gpus_per_node
+        gpus = args.actor.num_nodes * args.actor.num_gpus_per_node
+        world = data_parallel_size(gpus, args.ds.ring_attn_size)
         return deal_experiences(experiences, layout_of(args, world))

@@ -19,9 +19,22 @@ class LayoutError(ValueError):
     """A batch layout under which DRPO's gradient could not be computed exactly."""
 
 
+def data_parallel_size(actor_gpus: int, ring_attn_size: int = 1) -> int:
+    """Actor ranks that hold different responses: OpenRLHF hands each ring-attention group
+    (``--ds.ring_attn_size`` consecutive ranks, which split every packed sequence between
+    them) the same share of the rollout, so the layout counts groups, not ranks."""
+    if ring_attn_size < 1 or actor_gpus % ring_attn_size:
+        raise LayoutError(
+            f"--ds.ring_attn_size ({ring_attn_size}) must divide the {actor_gpus} actor GPUs "
+            "(--actor.num_nodes x --actor.num_gpus_per_node)"
+        )
+    return actor_gpus // ring_attn_size
+
+
 @dataclass(frozen=True)
 class Layout:
-    """The batch arithmetic of one run, per data-parallel rank."""
+    """The batch arithmetic of one run, per data-parallel rank (``world_size``: their number,
+    ``data_parallel_size``)."""
 
     world_size: int
     n_samples_per_prompt: int
