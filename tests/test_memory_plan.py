@@ -140,3 +140,35 @@ def test_entropy_bonus_needs_unchunked_log_probs(tmp_path, capsys):
 def test_docs_show_what_the_code_computes(size, tmp_path):
     """docs/launch.md, Memory plan: each recipe's table as ``recipe_plan`` prints it."""
     assert recipe_plan(size, tmp_path).table() in DOCS.read_text()
+
+
+LENGTHS = [2048, 8192, 16384, 32768]
+
+
+def sequence_parallel_table(size: str, tmp_path: Path, checkpointing: bool = True) -> str:
+    """docs/performance.md, Sequence parallelism: the training phase's activations + logits
+    (and its total) per GPU for micro-batches of one response of each length, by ring size,
+    with the recipe's gradient checkpointing or without."""
+    rows = [
+        "| SP | " + " | ".join(f"{n // 1024}k tokens" for n in LENGTHS) + " |",
+        "|---:|" + "---:|" * len(LENGTHS),
+    ]
+    for ring in (1, 2, 4, 8):
+        cells = []
+        for n in LENGTHS:
+            changes = {"data.max_len": n, "train.micro_batch_size": 1, "ds.ring_attn_size": ring}
+            changes["actor.gradient_checkpointing_enable"] = checkpointing
+            phases = recipe_plan(size, tmp_path, **changes)
+            training = next(p for p in phases if p.name == "training")
+            gib = {t.name: t.gib for t in training.terms}
+            cells.append(f"{gib['activations']:.1f} + {gib['logits']:.1f} ({training.gib:.1f})")
+        rows.append(f"| {ring} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+@pytest.mark.parametrize(("size", "checkpointing"), [("1.5b", True), ("7b", True), ("7b", False)])
+def test_docs_show_the_sequence_parallel_memory_the_code_computes(size, checkpointing, tmp_path):
+    """Ring attention divides each GPU's tokens, hence its activations (and unchunked
+    logits), by the ring size; docs/performance.md shows what ``plan`` computes."""
+    table = sequence_parallel_table(size, tmp_path, checkpointing)
+    assert table in (DOCS.parent / "performance.md").read_text()

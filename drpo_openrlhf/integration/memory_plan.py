@@ -202,13 +202,17 @@ def plan(args: argparse.Namespace, shape: ModelShape, capacity_gib: float) -> Me
 
     max_len = _arg(args, "data.max_len")
     if _arg(args, "train.dynamic_batch_enable"):
+        # per GPU already: OpenRLHF gives a ring group ring_attn_size times the budget
         train_tokens = _arg(args, "train.max_tokens_per_gpu")
         score_tokens = _arg(args, "rollout.max_tokens_per_gpu") or train_tokens
         train_flag, score_flag = "--train.max_tokens_per_gpu", "--rollout.max_tokens_per_gpu"
     else:
-        train_tokens = _arg(args, "train.micro_batch_size") * max_len
-        score_tokens = _arg(args, "rollout.micro_batch_size") * max_len
-        train_flag, score_flag = "--train.micro_batch_size", "--rollout.micro_batch_size"
+        # ring attention: each GPU of a ring group forwards its slice of the packed tokens
+        ring = _arg(args, "ds.ring_attn_size")
+        train_tokens = -(-_arg(args, "train.micro_batch_size") * max_len // ring)
+        score_tokens = -(-_arg(args, "rollout.micro_batch_size") * max_len // ring)
+        train_flag = "--train.micro_batch_size (or --ds.ring_attn_size)"
+        score_flag = "--rollout.micro_batch_size (or --ds.ring_attn_size)"
     chunk_flag = "--drpo.logprob_chunk_tokens 1024 computes them in chunks"
     if chunk:
         # bf16 logits, their fp32 copy and the logits' gradient in bf16, for one chunk; the
