@@ -121,6 +121,15 @@ def _torch_cuda() -> str:
     )
 
 
+def _ring_flash_attn() -> str:
+    """Ring attention (``--ds.ring_attn_size``) as OpenRLHF imports it: after its patch, without
+    which ring-flash-attn 0.1.8 cannot import under transformers 5.15."""
+    from openrlhf.models.ring_attn_utils import patch_transformers_for_ring_flash_attn
+
+    patch_transformers_for_ring_flash_attn()
+    return _version("ring_flash_attn", "ring-flash-attn")()
+
+
 def _fused_adam() -> str:
     """DeepSpeed's FusedAdam op: loads the prebuilt op or JIT-compiles it (minutes, once per
     cache directory), as its first optimizer step would."""
@@ -137,6 +146,7 @@ COMPONENTS: list[tuple[str, Callable[[], str]]] = [
     ("torch", _version("torch")),
     ("torch CUDA", _torch_cuda),
     ("flash_attn", _version("flash_attn", "flash-attn")),
+    ("ring_flash_attn", _ring_flash_attn),
     ("vllm", _version("vllm")),
     ("deepspeed", _version("deepspeed")),
     ("deepspeed FusedAdam", _fused_adam),

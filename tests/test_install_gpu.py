@@ -156,6 +156,7 @@ def test_every_component_of_the_issue_is_checked():
         "torch",
         "torch CUDA",
         "flash_attn",
+        "ring_flash_attn",
         "vllm",
         "deepspeed",
         "deepspeed FusedAdam",
