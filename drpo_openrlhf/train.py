@@ -71,7 +71,6 @@ REJECTED_FLAGS = {
     "--algo.kl.use_loss": "DRPO's KL term is its trust region (--drpo.delta/--drpo.beta0)",
     "--train.max_epochs": "DRPO takes one pass over each rollout (Algorithm 1); drop it",
     "--train.async_enable": "asynchronous training uses another trainer; drop it for DRPO",
-    "--ds.tensor_parallel_size": "DeepSpeed tensor parallelism is not supported by DRPO yet",
     "--algo.advantage.is_correction_level": "importance-sampling correction is part of PPO's loss",
 }
 
@@ -301,6 +300,17 @@ def refuse_entropy_with_chunks(args: argparse.Namespace) -> None:
         )
 
 
+def refuse_tensor_parallel_with_chunks(args: argparse.Namespace) -> None:
+    """DeepSpeed AutoTP replaces the output layer by a vocabulary-parallel one, which chunked
+    log-probs (``integration/chunked_actor.py``) do not compute with."""
+    if getattr(args, "ds.tensor_parallel_size") > 1 and getattr(args, "drpo.logprob_chunk_tokens"):
+        raise ValueError(
+            "--ds.tensor_parallel_size splits the output layer over the vocabulary, which "
+            "chunked log-probs do not handle: add --drpo.logprob_chunk_tokens 0 (OpenRLHF's "
+            "unchunked forward; check the memory plan, docs/launch.md)"
+        )
+
+
 def check_positive_reward(args: argparse.Namespace, baseline: bool) -> str:
     """``--drpo.positive_reward`` loaded and probed (``preflight``); returns it with its
     files' paths as the Ray workers will find them."""
@@ -337,9 +347,15 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> DRPOC
             raise ValueError(f"{flag} is not used by DRPO: {advice}")
     if getattr(args, "algo.advantage.estimator") == "gae":
         raise ValueError("--algo.advantage.estimator gae needs a critic; DRPO uses none")
+    ring, tp = getattr(args, "ds.ring_attn_size"), getattr(args, "ds.tensor_parallel_size")
+    if ring > 1 and tp > 1:
+        raise ValueError(
+            "--ds.ring_attn_size with --ds.tensor_parallel_size: DRPO is proven exact under "
+            "each alone, not combined (docs/performance.md); use one of the two"
+        )
     gpus = getattr(args, "actor.num_nodes") * getattr(args, "actor.num_gpus_per_node")
     Layout(
-        world_size=data_parallel_size(gpus, getattr(args, "ds.ring_attn_size")),
+        world_size=data_parallel_size(gpus, ring, tp),
         n_samples_per_prompt=getattr(args, "rollout.n_samples_per_prompt"),
         rollout_batch_size=getattr(args, "rollout.batch_size"),
         train_batch_size=getattr(args, "train.batch_size"),
@@ -380,6 +396,7 @@ def parse(argv: list[str]) -> tuple[DRPOConfig, SimpleNamespace, list[str]]:
             config = drpo_config(args)
         else:
             config = validate(args, parser)
+        refuse_tensor_parallel_with_chunks(args)
         check_inputs(args)
         positive_reward = check_positive_reward(args, baseline=bool(method))
         config = replace(config, positive_reward=positive_reward)

@@ -108,8 +108,24 @@ def prepare_actor(strategy, model: torch.nn.Module, scheduler_steps: int = 10):
     return strategy.prepare((actor, cfg))
 
 
-def whole_parameters(module: torch.nn.Module, zero_stage: int) -> list[torch.Tensor]:
-    """Float64 copies of every parameter of ``module``, gathered whole under ZeRO-3.
+@contextmanager
+def fp32_tensor_parallel() -> Iterator[None]:
+    """OpenRLHF hands DeepSpeed AutoTP ``dtype=torch.bfloat16`` whatever ``param_dtype``
+    says; keep the test model in fp32 so that its update can be compared exactly."""
+    import deepspeed
+
+    init = deepspeed.tp_model_init
+
+    def fp32_init(*args, **kwargs):
+        return init(*args, **{**kwargs, "dtype": torch.float32})
+
+    with mock.patch.object(deepspeed, "tp_model_init", fp32_init):
+        yield
+
+
+def whole_parameters(module: torch.nn.Module, zero_stage: int, tp: int = 1) -> list[torch.Tensor]:
+    """Float64 copies of every parameter of ``module``, gathered whole under ZeRO-3 or
+    DeepSpeed AutoTP (``tp`` > 1: each layer gathers its shards with its own all-gather).
 
     Not ``deepspeed.zero.GatheredParameters``: it starts one async all-gather per parameter
     and waits on the last one only. NCCL completes a stream's collectives in order, so that
@@ -117,6 +133,14 @@ def whole_parameters(module: torch.nn.Module, zero_stage: int) -> list[torch.Ten
     gathers returned uninitialised memory. Each all-gather here is synchronous
     (tests/test_whole_parameters.py repeats it many times)."""
     params = list(module.parameters())
+    if tp > 1:
+        from deepspeed.module_inject.layers import GatherReplacedLayerParams
+
+        whole = []
+        for p in params:
+            with GatherReplacedLayerParams([p], module):
+                whole.append(p.detach().clone().double())
+        return whole
     if zero_stage != 3:
         return [p.detach().clone().double() for p in params]
     world = torch.distributed.get_world_size()

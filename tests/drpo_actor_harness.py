@@ -30,6 +30,8 @@ class Case:
     # --ds.ring_attn_size: consecutive ranks share responses and split their packed tokens
     # (OpenRLHF packs samples under ring attention); the flash-attn stand-in's kernels
     ring: int = 1
+    # --ds.tensor_parallel_size: DeepSpeed AutoTP splits the layers over consecutive ranks
+    tp: int = 1
 
     @property
     def name(self) -> str:
@@ -38,6 +40,7 @@ class Case:
         name = f"zero{self.zero_stage}-{batching}-{packed}-{self.kl_estimate}-short{self.short}"
         name += "-preference" if self.preference else ""
         name += f"-ring{self.ring}" if self.ring > 1 else ""
+        name += f"-tp{self.tp}" if self.tp > 1 else ""
         return name + (f"-chunk{self.chunk}" if self.chunk else "")
 
 
@@ -174,6 +177,8 @@ def openrlhf_args(case: Case, world: int):
     if case.ring > 1:
         assert case.packing, "OpenRLHF packs samples under ring attention"
         flags += ["--ds.ring_attn_size", str(case.ring)]
+    if case.tp > 1:
+        flags += ["--ds.tensor_parallel_size", str(case.tp)]
     if case.dynamic:
         flags += ["--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", str(MAX_TOKENS)]
     return actor_setup.openrlhf_args(flags)
@@ -255,10 +260,12 @@ def run_rank(rank: int, world: int, port: int, cases: list[Case], out_dir: str) 
     old = old_log_probs(data)
     for case in cases:
         hf_flash._flash_attention_forward = unwrapped
-        local, info = rank_share(case, rank // case.ring, world // case.ring)
+        shared = case.ring * case.tp  # consecutive ranks holding the same responses
+        local, info = rank_share(case, rank // shared, world // shared)
         strategy = actor_setup.setup_strategy(openrlhf_args(case, world), "fp32")
         attention = "flash_attention_2" if case.ring > 1 else "sdpa"
-        actor, optim, scheduler = actor_setup.prepare_actor(strategy, tiny_model(attention))
+        with actor_setup.fp32_tensor_parallel():
+            actor, optim, scheduler = actor_setup.prepare_actor(strategy, tiny_model(attention))
         chunked_actor.install(actor, case.chunk)
         trainer = actor_setup.ppo_trainer(strategy, actor, optim, scheduler)
         trainer.__class__ = DRPOActorTrainer
@@ -269,7 +276,8 @@ def run_rank(rank: int, world: int, port: int, cases: list[Case], out_dir: str) 
         slices = record_slices(actor, actor.model.module)
         with actor_setup.cuda_queries_answered("cpu", "cpu"):
             status = trainer.ppo_train(0.0)
-        weights = actor_setup.whole_parameters(actor.model.module, case.zero_stage)
+        local_numel = sum(p.numel() for p in actor.model.module.parameters())
+        weights = actor_setup.whole_parameters(actor.model.module, case.zero_stage, case.tp)
         if rank == 0:
             result = {
                 "weights": weights,
@@ -277,6 +285,7 @@ def run_rank(rank: int, world: int, port: int, cases: list[Case], out_dir: str) 
                 "mode": None if case.dynamic else trainer.drpo_mode,
                 "forwards": len(forwards),
                 "slices": slices,
+                "local_numel": local_numel,
             }
             torch.save(result, os.path.join(out_dir, case.name + ".pt"))
         torch.distributed.barrier()

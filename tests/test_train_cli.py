@@ -133,10 +133,21 @@ def test_ring_attn_size_is_accepted_and_the_layout_counts_ring_groups(capsys):
     capsys.readouterr()
     with pytest.raises(SystemExit):
         train.parse([*BASE, "--actor.num_gpus_per_node", "6", "--ds.ring_attn_size", "4"])
-    assert "--ds.ring_attn_size (4) must divide the 6 actor GPUs" in capsys.readouterr().err
+    assert "(4 x 1) must divide the 6 actor GPUs" in capsys.readouterr().err
+
+
+def test_tensor_parallel_size_is_accepted_with_unchunked_log_probs(capsys):
+    """AutoTP's output layer is vocabulary-parallel, which chunked log-probs do not handle;
+    the layout counts TP groups; ring attention and TP together are refused (not tested)."""
+    tp = ["--actor.num_gpus_per_node", "16", "--ds.tensor_parallel_size", "2"]
     with pytest.raises(SystemExit):
-        train.parse([*BASE, "--actor.num_gpus_per_node", "2", "--ds.tensor_parallel_size", "2"])
-    assert "tensor parallelism is not supported" in capsys.readouterr().err
+        train.parse([*BASE, *tp])
+    assert "--drpo.logprob_chunk_tokens 0" in capsys.readouterr().err
+    _, _, openrlhf_argv = train.parse([*BASE, *tp, "--drpo.logprob_chunk_tokens", "0"])
+    assert value_after(openrlhf_argv, "--ds.tensor_parallel_size") == ["2"]
+    with pytest.raises(SystemExit):
+        train.parse([*BASE, *tp, "--drpo.logprob_chunk_tokens", "0", "--ds.ring_attn_size", "2"])
+    assert "each alone, not combined" in capsys.readouterr().err
 
 
 def test_ring_attention_is_refused_on_a_cpu_run(entry_point, capsys):

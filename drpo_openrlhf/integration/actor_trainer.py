@@ -22,6 +22,11 @@ response counted once), and the loss scale counts data-parallel ranks, not all r
 DeepSpeed averages gradients over every rank, and the gather's backward already sums the ring
 ranks' identical loss gradients (``data_parallel_group``, ``_accumulate``).
 
+*Tensor parallelism* (``--ds.tensor_parallel_size``, DeepSpeed AutoTP): the ranks of a TP
+group hold the same responses too and, the output layer gathering its vocabulary shards,
+compute the same full log-probs; DeepSpeed averages over its data-parallel ranks only (TP
+ranks excluded), whose count is again the scale.
+
 *One pass*: with ``kl_estimate="microstep"`` and global micro-steps that hold whole groups
 (``n`` divides micro-batch x ranks, or under dynamic batching groups packed into micro-steps
 by ``pack_group_microsteps``), a micro-step's scalars alone give its coefficients
@@ -90,10 +95,11 @@ def correctness(scores: Tensor) -> Tensor:
 
 
 def data_parallel_group(strategy) -> dist.ProcessGroup | None:
-    """The ranks that hold different responses: one rank of each ring-attention group
-    (OpenRLHF's ``dp`` mesh dimension), or ``None``, the default group, without ring
-    attention. Collectives that count responses run over it, so that each counts once."""
-    if strategy.ring_attn_size == 1:
+    """The ranks that hold different responses: one rank of each ring-attention and
+    tensor-parallel group (OpenRLHF's ``dp`` mesh dimension), or ``None``, the default
+    group, without either. Collectives that count responses run over it, so that each
+    counts once."""
+    if strategy.ring_attn_size == 1 and strategy.ds_tensor_parallel_size == 1:
         return None
     return strategy.ds_device_mesh["dp"].get_group()
 
@@ -264,8 +270,9 @@ class DRPOActorTrainer(ActorPPOTrainer):
             for g, length in pairs:
                 if g in shares:
                     shares[g][rank] += length
-        # a ring group shares its micro-batch's tokens, as in OpenRLHF's own budget
-        max_tokens = self.args.train.max_tokens_per_gpu * self.strategy.ring_attn_size
+        # a ring or tensor-parallel group shares its micro-batch, as in OpenRLHF's budget
+        shared = self.strategy.ring_attn_size * self.strategy.ds_tensor_parallel_size
+        max_tokens = self.args.train.max_tokens_per_gpu * shared
         plan, modes = [], []
         for k in range(len(set(step_of.values()))):
             mine = [i for i, g in enumerate(group_ids) if step_of.get(g) == k]
@@ -436,9 +443,10 @@ class DRPOActorTrainer(ActorPPOTrainer):
         engine = self.actor.model
         engine.set_gradient_accumulation_boundary(last)
         loss = surrogate_loss(r.score, r.kl_sum, score_coef.to(device), kl_coef.to(device))
-        # undo DeepSpeed's 1/GAS and its mean over all ranks; under ring attention the ranks
-        # of a ring group back-propagate the same loss, which the log-prob gather's backward
-        # sums over the group, so the mean over all ranks is one over data-parallel ranks
+        # undo DeepSpeed's 1/GAS and its mean over data-parallel ranks. Under ring attention
+        # DeepSpeed averages over the ring ranks too, but the ranks of a ring group
+        # back-propagate the same loss, which the log-prob gather's backward sums over the
+        # group; under AutoTP it leaves the tensor-parallel ranks out of its mean
         scale = engine.gradient_accumulation_steps() * dist.get_world_size(self.drpo_group)
         self.strategy.backward(loss * scale, self.actor, self.actor_optim)
         if last:

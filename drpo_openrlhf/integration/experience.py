@@ -91,5 +91,5 @@ class GroupTaggingExperienceMaker(RemoteExperienceMaker):
         if args.train.dynamic_batch_enable:
             return experiences
         gpus = args.actor.num_nodes * args.actor.num_gpus_per_node
-        world = data_parallel_size(gpus, args.ds.ring_attn_size)
+        world = data_parallel_size(gpus, args.ds.ring_attn_size, args.ds.tensor_parallel_size)
         return deal_experiences(experiences, layout_of(args, world))

@@ -19,16 +19,21 @@ class LayoutError(ValueError):
     """A batch layout under which DRPO's gradient could not be computed exactly."""
 
 
-def data_parallel_size(actor_gpus: int, ring_attn_size: int = 1) -> int:
-    """Actor ranks that hold different responses: OpenRLHF hands each ring-attention group
-    (``--ds.ring_attn_size`` consecutive ranks, which split every packed sequence between
-    them) the same share of the rollout, so the layout counts groups, not ranks."""
-    if ring_attn_size < 1 or actor_gpus % ring_attn_size:
+def data_parallel_size(
+    actor_gpus: int, ring_attn_size: int = 1, tensor_parallel_size: int = 1
+) -> int:
+    """Actor ranks that hold different responses: OpenRLHF hands each group of
+    ``ring_attn_size x tensor_parallel_size`` consecutive ranks (which split every packed
+    sequence, or every layer, between them) the same share of the rollout, so the layout
+    counts groups, not ranks."""
+    shared = ring_attn_size * tensor_parallel_size
+    if ring_attn_size < 1 or tensor_parallel_size < 1 or actor_gpus % shared:
         raise LayoutError(
-            f"--ds.ring_attn_size ({ring_attn_size}) must divide the {actor_gpus} actor GPUs "
+            f"--ds.ring_attn_size x --ds.tensor_parallel_size ({ring_attn_size} x "
+            f"{tensor_parallel_size}) must divide the {actor_gpus} actor GPUs "
             "(--actor.num_nodes x --actor.num_gpus_per_node)"
         )
-    return actor_gpus // ring_attn_size
+    return actor_gpus // shared
 
 
 @dataclass(frozen=True)

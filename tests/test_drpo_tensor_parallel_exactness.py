@@ -1,0 +1,58 @@
+"""DRPO's update under DeepSpeed tensor parallelism (AutoTP, ``--ds.tensor_parallel_size 2``)
+equals the one-piece single-process reference: same weights after the rollout's optimizer
+steps and the same logged loss, the layers really split over the TP ranks. One TP group
+(TP=2) and two (TP=2 x DP=2, groups dealt over the data-parallel ranks); scores pass, one
+pass and penalty pass; padded and packed; dynamic batching; ZeRO-0 and 2, and ZeRO-3 on one
+data-parallel rank. Log-probs unchunked
+(``--drpo.logprob_chunk_tokens 0``, which tensor parallelism requires).
+
+Substitution: OpenRLHF hands AutoTP ``dtype=torch.bfloat16`` whatever the run's dtype; the
+model is kept in fp32 here (``actor_setup.fp32_tensor_parallel``) so that the comparison is
+exact."""
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from actor_setup import free_port
+from drpo_actor_harness import Case, assert_matches_reference, run_rank, tiny_model
+
+CASES = {
+    2: [  # one tensor-parallel group: TP=2, DP=1
+        Case(2, 2, tp=2),  # scores pass
+        Case(3, 4, tp=2),  # penalty pass; ZeRO-3 over one data-parallel rank
+        Case(0, 4, packing=True, kl_estimate="microstep", tp=2),  # one pass
+        Case(2, 1, packing=True, dynamic=True, tp=2),
+    ],
+    4: [  # two tensor-parallel groups: TP=2 x DP=2
+        Case(2, 2, kl_estimate="microstep", tp=2),  # one pass, groups over both
+        Case(2, 1, packing=True, tp=2),  # scores pass
+    ],
+}
+PARAMS = [(w, c) for w, cases in CASES.items() for c in cases]
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel_results(tmp_path_factory):
+    results = {}
+    for world, cases in CASES.items():
+        out = tmp_path_factory.mktemp(f"tensor_parallel_world{world}")
+        mp.spawn(run_rank, args=(world, free_port(), cases, str(out)), nprocs=world, join=True)
+        for case in cases:
+            results[world, case] = torch.load(out / f"{case.name}.pt")
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("world", "case"), PARAMS, ids=str)
+def test_tensor_parallel_drpo_update_matches_one_piece_reference(
+    tensor_parallel_results, world, case
+):
+    shared = case.ring * case.tp
+    assert_matches_reference(tensor_parallel_results[world, case], case, world // shared)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("world", "case"), PARAMS, ids=str)
+def test_tensor_parallel_ranks_hold_a_share_of_the_layers(tensor_parallel_results, world, case):
+    full = sum(p.numel() for p in tiny_model().parameters())
+    assert tensor_parallel_results[world, case]["local_numel"] < 0.75 * full
