@@ -121,6 +121,18 @@ def test_a_reference_model_scores_unchunked(tmp_path):
     assert any(t.name == "reference weights" for p in smaller for t in p.terms)
 
 
+def test_tensor_parallel_logits_name_the_micro_batch_not_chunks(tmp_path, capsys):
+    """Under AutoTP the log-probs are unchunked (train.py refuses chunks), so the advice for
+    too large logits is a smaller micro-batch."""
+    tp = {"ds.tensor_parallel_size": 2, "drpo.logprob_chunk_tokens": 0}
+    with pytest.raises(SystemExit):
+        train.parse(recipe_argv("1.5b", tmp_path, **tp))
+    err = capsys.readouterr().err
+    assert "logits 62.6 GiB: --rollout.micro_batch_size (log-probs are not chunked" in err
+    smaller = {"train.micro_batch_size": 1, "rollout.micro_batch_size": 1}
+    train.parse(recipe_argv("1.5b", tmp_path, **tp, **smaller))
+
+
 def test_no_check_at_capacity_zero_or_for_an_unknown_model(tmp_path, capsys):
     _, run, _ = train.parse(recipe_argv("1.5b", tmp_path, **{"drpo.gpu_memory_gib": 0}))
     assert run.memory_plan is None

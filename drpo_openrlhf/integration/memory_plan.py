@@ -201,6 +201,7 @@ def plan(args: argparse.Namespace, shape: ModelShape, capacity_gib: float) -> Me
         resident.append(Term("reference weights", gib(width * ref_elems), "--ref.offload"))
 
     max_len = _arg(args, "data.max_len")
+    tp = _arg(args, "ds.tensor_parallel_size")
     if _arg(args, "train.dynamic_batch_enable"):
         # per GPU already: OpenRLHF gives a ring group ring_attn_size times the budget
         train_tokens = _arg(args, "train.max_tokens_per_gpu")
@@ -211,9 +212,14 @@ def plan(args: argparse.Namespace, shape: ModelShape, capacity_gib: float) -> Me
         ring = _arg(args, "ds.ring_attn_size")
         train_tokens = -(-_arg(args, "train.micro_batch_size") * max_len // ring)
         score_tokens = -(-_arg(args, "rollout.micro_batch_size") * max_len // ring)
-        train_flag = "--train.micro_batch_size (or --ds.ring_attn_size)"
-        score_flag = "--rollout.micro_batch_size (or --ds.ring_attn_size)"
-    chunk_flag = "--drpo.logprob_chunk_tokens 1024 computes them in chunks"
+        train_flag, score_flag = "--train.micro_batch_size", "--rollout.micro_batch_size"
+        if tp == 1:  # ring attention and AutoTP together are refused (train.py)
+            train_flag += " (or --ds.ring_attn_size)"
+            score_flag += " (or --ds.ring_attn_size)"
+    train_chunk_flag = score_chunk_flag = "--drpo.logprob_chunk_tokens 1024 computes them in chunks"
+    if tp > 1:  # chunked log-probs are refused with AutoTP (train.py)
+        unchunked = " (log-probs are not chunked under --ds.tensor_parallel_size)"
+        train_chunk_flag, score_chunk_flag = train_flag + unchunked, score_flag + unchunked
     if chunk:
         # bf16 logits, their fp32 copy and the logits' gradient in bf16, for one chunk; the
         # output layer's fp32 gradient sum (training only).
@@ -221,8 +227,8 @@ def plan(args: argparse.Namespace, shape: ModelShape, capacity_gib: float) -> Me
         train_logits = Term("logits", gib(chunk * v * 8 + 4 * v * h), "--drpo.logprob_chunk_tokens")
     else:
         # OpenRLHF's Actor.forward: bf16 logits, fp32 copy (+ its gradient in fp32 and bf16).
-        score_logits = Term("logits", gib(score_tokens * v * 6), chunk_flag)
-        train_logits = Term("logits", gib(train_tokens * v * 12), chunk_flag)
+        score_logits = Term("logits", gib(score_tokens * v * 6), score_chunk_flag)
+        train_logits = Term("logits", gib(train_tokens * v * 12), train_chunk_flag)
 
     if has_ref:  # OpenRLHF's reference model scores unchunked, after the actor
         ref_logits = gib(score_tokens * v * 6)
