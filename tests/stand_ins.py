@@ -7,6 +7,7 @@ file); this covers a test run from another environment. vLLM is the real CPU bui
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 import sys
@@ -22,3 +23,16 @@ def install_stand_ins() -> None:
     sys.path.append(CPU_SITE)
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     os.environ["PYTHONPATH"] = os.pathsep.join([*paths, CPU_SITE])
+
+
+def flash_attn_is_stand_in() -> bool:
+    """Whether ``flash_attn`` is a stand-in (importable, but no flash-attn distribution is
+    installed): the CPU ring-attention tests run on its kernels (the real ones need CUDA
+    tensors)."""
+    if importlib.util.find_spec("flash_attn") is None:
+        return False
+    try:
+        importlib.metadata.version("flash-attn")
+    except importlib.metadata.PackageNotFoundError:
+        return True
+    return False
