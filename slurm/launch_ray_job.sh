@@ -146,7 +146,18 @@ N_SAMPLES=${N_SAMPLES:-8}
 TRAIN_BATCH=${TRAIN_BATCH:-256}
 MICRO_TRAIN_BATCH=${MICRO_TRAIN_BATCH:-1}
 MICRO_ROLLOUT_BATCH=${MICRO_ROLLOUT_BATCH:-4}
-MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-8192}
+# LONG=16k|32k: a recipe's long-response variant. Ring attention splits every packed
+# micro-batch over 2 / 4 GPUs, so each GPU holds about as many tokens of it as in the 8k
+# recipe (docs/launch.md, "Long responses"); MAX_NEW_TOKENS and RING_ATTN_SIZE still win.
+LONG=${LONG:-}
+case $LONG in
+'') long_tokens=8192 long_ring=1 ;;
+16k) long_tokens=16384 long_ring=2 ;;
+32k) long_tokens=32768 long_ring=4 ;;
+*) die "LONG must be 16k or 32k, got '$LONG'" ;;
+esac
+MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-$long_tokens}
+RING_ATTN_SIZE=${RING_ATTN_SIZE:-$long_ring}
 PROMPT_MAX_LEN=${PROMPT_MAX_LEN:-1024}
 TEMPERATURE=${TEMPERATURE:-0.6}
 WEIGHT_DECAY=${WEIGHT_DECAY:-0.01}
@@ -183,7 +194,7 @@ LAUNCH_MODE=${LAUNCH_MODE:-$([[ -n ${SLURM_JOB_ID:-} ]] && echo slurm || echo lo
 
 is_positive() { [[ $1 =~ ^[1-9][0-9]*$ ]]; }
 for name in ROLLOUT_PROMPTS N_SAMPLES TRAIN_BATCH MICRO_TRAIN_BATCH MICRO_ROLLOUT_BATCH \
-  MAX_NEW_TOKENS PROMPT_MAX_LEN VLLM_TP MAX_STEPS SAVE_STEPS EVAL_STEPS EVAL_N_SAMPLES \
+  MAX_NEW_TOKENS PROMPT_MAX_LEN RING_ATTN_SIZE VLLM_TP MAX_STEPS SAVE_STEPS EVAL_STEPS EVAL_N_SAMPLES \
   RAY_WAIT_TIMEOUT TEARDOWN_TIMEOUT; do
   is_positive "${!name}" || die "$name must be a positive integer, got '${!name}'"
 done
@@ -336,7 +347,8 @@ EVAL_DATA=$(
 )
 
 sanitize() { tr -c 'A-Za-z0-9._-' '-' <<<"$1" | sed 's/-*$//'; }
-RUN_NAME=${RUN_NAME:-$(sanitize "${job_name}_${run_tag}")}
+# a long variant is its own run: it must not resume the 8k run's checkpoints
+RUN_NAME=${RUN_NAME:-$(sanitize "${job_name}_${run_tag}${LONG:+_$LONG}")}
 OUTPUT_ROOT=$(abs "$OUTPUT_ROOT")
 RUN_DIR=$OUTPUT_ROOT/$RUN_NAME
 CKPT_DIR=$(abs "${CKPT_DIR:-$RUN_DIR/ckpt}")
@@ -393,6 +405,11 @@ train_args=(
   --logger.logging_steps 1 --logger.tensorboard_dir "$RUN_DIR/tensorboard"
 )
 [[ $PACKING == 1 ]] && train_args+=(--ds.packing_samples)
+if ((RING_ATTN_SIZE > 1)); then
+  # OpenRLHF would turn packing on by itself; say so instead of running another layout
+  [[ $PACKING == 1 ]] || die "RING_ATTN_SIZE=$RING_ATTN_SIZE needs PACKING=1: ring attention splits packed sequences"
+  train_args+=(--ds.ring_attn_size "$RING_ATTN_SIZE")
+fi
 [[ $SAVE_HF == 1 ]] && train_args+=(--ckpt.save_hf)
 if [[ -n $EVAL_DATA ]]; then
   train_args+=(--eval.dataset "$EVAL_DATA" --eval.steps "$EVAL_STEPS"

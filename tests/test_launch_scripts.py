@@ -323,6 +323,27 @@ def test_head_that_dies_fails_fast(harness: Harness) -> None:
     assert run.of("ray", "job", "submit") == []
 
 
+@pytest.mark.parametrize("size", ["1.5b", "7b", "8b"])
+@pytest.mark.parametrize(("long", "tokens", "ring"), [("16k", 16384, 2), ("32k", 32768, 4)])
+def test_long_variants_pass_the_entry_points_checks(harness, size, long, tokens, ring) -> None:
+    """LONG=16k/32k: the recipe's responses grow and ring attention splits them, through the
+    entry point's own checks (PREFLIGHT); a run of its own, apart from the 8k run."""
+    run = harness.run(recipe(size), LONG=long, PREFLIGHT="1")
+    assert run.returncode == 0, run.output
+    args = run.args()
+    assert (args["rollout.max_new_tokens"], args["ds.ring_attn_size"]) == (tokens, ring)
+    assert args["data.max_len"] == 1024 + tokens and args["ds.packing_samples"]
+    assert Path(args["ckpt.path"]).parent.name == f"drpo-job_drpo_lam0.1_{long}"
+    assert_flags_known(run)
+
+
+def test_ring_attention_without_packing_is_a_clear_error(harness: Harness) -> None:
+    run = harness.run(recipe("1.5b"), RING_ATTN_SIZE="2", PACKING="0")
+    assert run.returncode == 1
+    assert "RING_ATTN_SIZE=2 needs PACKING=1" in run.output
+    assert run.of("ray") == []
+
+
 @pytest.mark.parametrize(
     ("env", "message"),
     [
@@ -334,6 +355,9 @@ def test_head_that_dies_fails_fast(harness: Harness) -> None:
         ({"VLLM_TP": "3"}, "cannot be split into vLLM engines of VLLM_TP=3"),
         ({"NNODES": "4"}, "NNODES=4 but the allocation has 2 node(s)"),
         ({"METHOD": "grpo"}, "unknown METHOD 'grpo'"),
+        ({"LONG": "64k"}, "LONG must be 16k or 32k, got '64k'"),
+        ({"RING_ATTN_SIZE": "3", "PREFLIGHT": "1"},
+         "--ds.ring_attn_size x --ds.tensor_parallel_size (3 x 1)"),
         ({"N_SAMPLES": "0"}, "N_SAMPLES must be a positive integer"),
         ({"TRAIN_DATA": "/nope/train.jsonl"}, "TRAIN_DATA=/nope/train.jsonl does not exist"),
         ({"EVAL_DATA": "/nonexistent/aime.jsonl"}, "eval set /nonexistent/aime.jsonl does not"),

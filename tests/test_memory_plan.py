@@ -81,6 +81,21 @@ def test_recipes_fit_an_80gb_card_and_pass_their_preflight(size, tmp_path):
     assert run.memory_plan == plan.table()
 
 
+@pytest.mark.parametrize("size", list(RECIPES))
+@pytest.mark.parametrize(("tokens", "ring"), [(16384, 2), (32768, 4)])
+def test_long_variants_fit_an_80gb_card_and_pass_their_preflight(size, tokens, ring, tmp_path):
+    """LONG=16k / 32k (slurm/launch_ray_job.sh): what the recipe submits then."""
+    changes = {
+        "rollout.max_new_tokens": tokens,
+        "data.max_len": 1024 + tokens,
+        "ds.ring_attn_size": ring,
+    }
+    plan = recipe_plan(size, tmp_path, **changes)
+    assert all(p.gib <= plan.limit_gib for p in plan), plan.table()
+    _, run, _ = train.parse(recipe_argv(size, tmp_path, **changes))
+    assert run.memory_plan == plan.table()
+
+
 def test_unchunked_log_probs_of_the_15b_recipe_are_refused_naming_the_flag(tmp_path, capsys):
     """The issue's case: 8 responses of 9,216 tokens through a 151,936-word vocabulary."""
     plan = recipe_plan("1.5b", tmp_path, **{"drpo.logprob_chunk_tokens": 0})
