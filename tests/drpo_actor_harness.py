@@ -291,6 +291,22 @@ def run_rank(rank: int, world: int, port: int, cases: list[Case], out_dir: str) 
         torch.distributed.barrier()
 
 
+def run_cases(cases: dict[int, list[Case]], out_dirs, prefix: str) -> dict:
+    """Every case on its world of gloo ranks (one spawn per world size); results by
+    ``(world, case)``. ``out_dirs`` is pytest's ``tmp_path_factory``."""
+    import torch.multiprocessing as mp
+    from actor_setup import free_port
+
+    results = {}
+    for world, world_cases in cases.items():
+        out = out_dirs.mktemp(f"{prefix}{world}")
+        args = (world, free_port(), world_cases, str(out))
+        mp.spawn(run_rank, args=args, nprocs=world, join=True)
+        for case in world_cases:
+            results[world, case] = torch.load(out / f"{case.name}.pt")
+    return results
+
+
 def assert_matches_reference(got: dict, case: Case, world: int) -> None:
     """The distributed run's weights, dropped-response count and logged loss equal the
     one-piece reference's (``world`` data-parallel ranks)."""

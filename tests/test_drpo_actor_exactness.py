@@ -8,8 +8,6 @@ reward other than length (``--drpo.positive_reward``: scores carried per respons
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from actor_setup import free_port
 from drpo_actor_harness import (
     PROMPTS,
     TRAIN_BATCH,
@@ -19,7 +17,7 @@ from drpo_actor_harness import (
     dynamic_microsteps,
     one_pass_expected,
     rollout,
-    run_rank,
+    run_cases,
     whole_group_microsteps,
 )
 
@@ -63,13 +61,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def distributed_results(tmp_path_factory):
-    results = {}
-    for world, cases in CASES.items():
-        out = tmp_path_factory.mktemp(f"world{world}")
-        mp.spawn(run_rank, args=(world, free_port(), cases, str(out)), nprocs=world, join=True)
-        for case in cases:
-            results[world, case] = torch.load(out / f"{case.name}.pt")
-    return results
+    return run_cases(CASES, tmp_path_factory, "world")
 
 
 @pytest.mark.slow

@@ -11,10 +11,7 @@ strategy); only flash-attn's kernels are the plain-torch stand-in of ``tests/cpu
 (tested in ``test_ring_attn_stand_in.py``)."""
 
 import pytest
-import torch
-import torch.multiprocessing as mp
-from actor_setup import free_port
-from drpo_actor_harness import Case, assert_matches_reference, run_rank
+from drpo_actor_harness import Case, assert_matches_reference, run_cases
 from stand_ins import flash_attn_is_stand_in
 
 if not flash_attn_is_stand_in():  # a GPU environment: its kernels need CUDA tensors
@@ -38,13 +35,7 @@ PARAMS = [(w, c) for w, cases in CASES.items() for c in cases]
 
 @pytest.fixture(scope="module")
 def ring_results(tmp_path_factory):
-    results = {}
-    for world, cases in CASES.items():
-        out = tmp_path_factory.mktemp(f"ring_world{world}")
-        mp.spawn(run_rank, args=(world, free_port(), cases, str(out)), nprocs=world, join=True)
-        for case in cases:
-            results[world, case] = torch.load(out / f"{case.name}.pt")
-    return results
+    return run_cases(CASES, tmp_path_factory, "ring_world")
 
 
 @pytest.mark.slow

@@ -11,10 +11,7 @@ model is kept in fp32 here (``actor_setup.fp32_tensor_parallel``) so that the co
 exact."""
 
 import pytest
-import torch
-import torch.multiprocessing as mp
-from actor_setup import free_port
-from drpo_actor_harness import Case, assert_matches_reference, run_rank, tiny_model
+from drpo_actor_harness import Case, assert_matches_reference, run_cases, tiny_model
 
 CASES = {
     2: [  # one tensor-parallel group: TP=2, DP=1
@@ -33,13 +30,7 @@ PARAMS = [(w, c) for w, cases in CASES.items() for c in cases]
 
 @pytest.fixture(scope="module")
 def tensor_parallel_results(tmp_path_factory):
-    results = {}
-    for world, cases in CASES.items():
-        out = tmp_path_factory.mktemp(f"tensor_parallel_world{world}")
-        mp.spawn(run_rank, args=(world, free_port(), cases, str(out)), nprocs=world, join=True)
-        for case in cases:
-            results[world, case] = torch.load(out / f"{case.name}.pt")
-    return results
+    return run_cases(CASES, tmp_path_factory, "tensor_parallel_world")
 
 
 @pytest.mark.slow
