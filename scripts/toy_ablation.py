@@ -44,6 +44,7 @@ SETTINGS: dict[str, tuple[tuple[str, ...], dict]] = {
     "disco": (DISCO, {}),
     "rloo-alpha0": ((*RLOO, "--shaping.params", "alpha=0"), {}),
     "disco-delta1e-2": ((*DISCO, "--drpo.delta", "1e-2"), {}),
+    "disco-beta0-1e4": ((*DISCO, "--drpo.beta0", "1e4"), {}),
     "disco-lr5e-5": (DISCO, {"lr": 5e-5}),
     "disco-tau1": ((*DISCO, "--drpo.tau", "1"), {}),
     "drpo-0.1": (("--drpo.lam", "0.1"), {}),
