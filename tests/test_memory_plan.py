@@ -94,6 +94,10 @@ def test_long_variants_fit_an_80gb_card_and_pass_their_preflight(size, tokens, r
     assert all(p.gib <= plan.limit_gib for p in plan), plan.table()
     _, run, _ = train.parse(recipe_argv(size, tmp_path, **changes))
     assert run.memory_plan == plan.table()
+    # docs/launch.md, Long responses: the recipe's row shows these phases
+    row = next(r for r in DOCS.read_text().splitlines() if r.startswith(f"| {size.upper()} |"))
+    shown = " / ".join(f"{p.gib:.1f}" for p in plan)
+    assert shown in row, (row, shown)
 
 
 def test_unchunked_log_probs_of_the_15b_recipe_are_refused_naming_the_flag(tmp_path, capsys):
