@@ -53,6 +53,11 @@ SETTINGS: dict[str, tuple[tuple[str, ...], dict]] = {
     "rloo-alpha0-lr5e-5": ((*RLOO, "--shaping.params", "alpha=0"), {"lr": 5e-5}),
 }
 
+# Settings whose run is also evaluated at an earlier rollout step, from a model it saves there:
+# the same run up to that step, so the comparison is paired (a second, shorter run would not
+# be: a seed does not fix vLLM's CPU sampling).
+MIDPOINTS = {"disco-64steps": 32}
+
 
 def base_policy(config: DemoConfig, root: Path) -> tuple[Path, Path, Path]:
     """The seed's SFT base, training and evaluation files (the sweep's toy seed folder)."""
@@ -70,10 +75,26 @@ def means(tensorboard_dir: Path, tags: list[str]) -> dict[str, float | None]:
     }
 
 
-def run_one(name: str, seed: int, out: Path) -> dict:
+def evaluated(config: DemoConfig, model: Path, name: str, eval_file: Path, results: Path) -> dict:
+    """pass@1, length, skipped steps and re-checks of ``model``, averaged over the datasets."""
     from drpo_openrlhf.eval.runner import RunLabel
 
+    label = RunLabel(name, name, name, "setting", "base" if name == "base" else "run")
+    docs, shapes = evaluate(config, [(model, label)], eval_file, results, False)
+    average = docs[0]["average"]
+    return {
+        "pass@1": average["pass@1"],
+        "length": average["mean_length"],
+        "skipped": statistics.fmean(s["skipped"] for s in shapes[name].values()),
+        "rechecks": statistics.fmean(s["rechecks"] for s in shapes[name].values()),
+    }
+
+
+def run_one(name: str, seed: int, out: Path) -> dict:
     flags, overrides = SETTINGS[name]
+    midpoint = MIDPOINTS.get(name)
+    if midpoint:
+        flags = (*flags, "--ckpt.save_steps", str(midpoint), "--ckpt.save_hf", "--ckpt.disable_ds")
     config = with_seed(DemoConfig(), seed)
     config = replace(config, rl=replace(config.rl, **{"lr": ABLATION_LR, **overrides}))
     base, train_file, eval_file = base_policy(config, out / f"seed{seed}")
@@ -93,21 +114,18 @@ def run_one(name: str, seed: int, out: Path) -> dict:
         ]
         extra = means(where / "tensorboard" / name, tags)
         extra["correct_pushed_down"] = misled_share(where / "tensorboard" / name)
-    label = RunLabel(name, name, name, "setting", "base" if name == "base" else "run")
-    docs, shapes = evaluate(config, [(model, label)], eval_file, where / "results", False)
-    average = docs[0]["average"]
-    skipped = statistics.fmean(s["skipped"] for s in shapes[name].values())
-    rechecks = statistics.fmean(s["rechecks"] for s in shapes[name].values())
-    return {
+    result = {
         "setting": name,
         "seed": seed,
-        "pass@1": average["pass@1"],
-        "length": average["mean_length"],
-        "skipped": skipped,
-        "rechecks": rechecks,
-        "seconds": time.perf_counter() - clock,
-        **extra,
+        **evaluated(config, model, name, eval_file, where / "results"),
     }
+    if midpoint:
+        early = where / "ckpt" / name / f"global_step{midpoint}_hf"
+        result["midpoint"] = {
+            "step": midpoint,
+            **evaluated(config, early, f"{name}@{midpoint}", eval_file, where / "results"),
+        }
+    return {**result, "seconds": time.perf_counter() - clock, **extra}
 
 
 def report(out: Path) -> str:
@@ -117,7 +135,12 @@ def report(out: Path) -> str:
         "| setting | seeds | " + " | ".join(columns) + " |",
         "|---" * (len(columns) + 2) + "|",
     ]
-    for name in SETTINGS:
+    rows += [  # the whole run's training means (hinge, KL) do not describe its midpoint
+        {"seed": r["seed"], **r["midpoint"], "setting": f"{r['setting']}@{r['midpoint']['step']}"}
+        for r in rows
+        if "midpoint" in r
+    ]
+    for name in [*SETTINGS, *(f"{n}@{step}" for n, step in MIDPOINTS.items())]:
         mine = [r for r in rows if r["setting"] == name]
         if not mine:
             continue
