@@ -21,8 +21,9 @@ from drpo_openrlhf.algo.length_reward import LENGTH_REWARDS
 from drpo_openrlhf.algo.shaper import GroupRewardShaper
 from drpo_openrlhf.algo.shaping import METHODS
 from drpo_openrlhf.integration import memory_plan, preflight
-from drpo_openrlhf.integration.checkpoints import prepare_resume, stop_message
+from drpo_openrlhf.integration.checkpoints import innermost, prepare_resume, stop_message
 from drpo_openrlhf.integration.device import DEVICES
+from drpo_openrlhf.integration.graceful_stop import StopRequested, clear_stale_request
 from drpo_openrlhf.integration.layout import Layout, data_parallel_size
 from drpo_openrlhf.openrlhf_cli import openrlhf_parser
 from drpo_openrlhf.rewards import positive_reward
@@ -415,11 +416,17 @@ def main(argv: list[str] | None = None) -> None:
         print("No GPU memory estimate: --drpo.gpu_memory_gib 0, or no config.json for the model")
     from drpo_openrlhf.integration.launch import run_openrlhf
 
+    cleared = clear_stale_request(run.ckpt_path)
+    if cleared:
+        print(f"drpo_openrlhf: {cleared}", flush=True)
     if run.resume:
         print(f"drpo_openrlhf: {prepare_resume(run.ckpt_path)}", flush=True)
     try:
         run_openrlhf(openrlhf_argv, config, run)
     except Exception as error:
+        if isinstance(innermost(error), StopRequested):  # the step is saved: a clean end
+            print(f"drpo_openrlhf: {innermost(error)}", flush=True)
+            return
         traceback.print_exc()
         message = stop_message(error, run.ckpt_path)
         print(f"drpo_openrlhf: {message}", file=sys.stderr, flush=True)

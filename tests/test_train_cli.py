@@ -233,6 +233,46 @@ def test_main_runs_openrlhf_with_the_drpo_actors(entry_point):
     assert seen["rollout"] is ray_actors.CPURolloutRayActor
 
 
+def test_main_removes_a_stale_stop_request_before_the_run_starts(
+    entry_point, tmp_path, monkeypatch, capsys
+):
+    """A requeued run must not stop after its first step on the request that stopped the
+    previous one (integration/graceful_stop.py)."""
+    from drpo_openrlhf.integration.graceful_stop import STOP_FILE
+
+    request = tmp_path / STOP_FILE
+    request.touch()
+    requested_at_start = []
+    monkeypatch.setattr(
+        runpy, "run_module", lambda *args, **kwargs: requested_at_start.append(request.exists())
+    )
+    train.main([*BASE, "--ckpt.path", str(tmp_path), "--ckpt.load_enable"])
+    assert requested_at_start == [False]
+    out = capsys.readouterr().out
+    assert f"drpo_openrlhf: removed the stop request {request} left by an earlier run" in out
+    assert out.index("removed the stop request") < out.index("drpo_openrlhf: no checkpoint in")
+
+
+def test_main_ends_cleanly_when_the_trainer_stopped_on_request(entry_point, monkeypatch, capsys):
+    """The trainer's ``StopRequested`` reaches the driver inside Ray's ``RayTaskError``: the
+    step is saved, so the run ends with exit 0 and one line, not a stop message."""
+    from ray.exceptions import RayTaskError
+
+    from drpo_openrlhf.integration.graceful_stop import StopRequested
+
+    def stopped_trainer(*args, **kwargs):
+        try:
+            raise StopRequested("stop requested: saved global_step7, stopping")
+        except StopRequested as cause:
+            raise RayTaskError("fit", "traceback", cause).as_instanceof_cause() from None
+
+    monkeypatch.setattr(runpy, "run_module", stopped_trainer)
+    train.main(BASE)  # returns: exit 0
+    captured = capsys.readouterr()
+    assert "drpo_openrlhf: stop requested: saved global_step7, stopping\n" in captured.out
+    assert "Traceback" not in captured.err and "the run stopped" not in captured.err
+
+
 def shell_command_lines(text: str, start: str) -> list[str]:
     """The whitespace-split words of the continued shell command beginning with ``start``."""
     lines = text.splitlines()

@@ -8,6 +8,7 @@ node must be able to ``import drpo_openrlhf`` (same environment, or a ``runtime_
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from dataclasses import asdict
 
 import ray
@@ -23,6 +24,11 @@ from drpo_openrlhf.integration.actor_trainer import DRPOActorTrainer, FiniteChec
 from drpo_openrlhf.integration.checkpoints import CompleteCheckpointActor
 from drpo_openrlhf.integration.cpu_support import CPU_WORKER_EXTENSION
 from drpo_openrlhf.integration.experience import GroupTaggingExperienceMaker
+from drpo_openrlhf.integration.graceful_stop import (
+    StopRequested,
+    saving_this_step,
+    stop_requested,
+)
 from drpo_openrlhf.integration.positive_engine import PositiveRewardEngine
 from drpo_openrlhf.integration.reward_guard import guard_engine_rewards
 from drpo_openrlhf.integration.shaping import ShapingExperienceMaker, advantage_signal_stats
@@ -143,7 +149,8 @@ class _MaxStepsReached(Exception):
 class _GroupAwarePPOTrainer(VerifiedSyncTrainer, ppo_trainer.PPOTrainer.__ray_actor_class__):
     """Installs the experience-maker hook: group tags for DRPO, reward shaping for baselines;
     keeps the shaper's state (HAPO's history) in OpenRLHF's checkpoints; stops the run after
-    ``--drpo.max_steps`` rollout steps."""
+    ``--drpo.max_steps`` rollout steps, or with a checkpoint of the step at which a stop was
+    requested (``graceful_stop``)."""
 
     def __init__(self, *args, **kwargs):
         if not getattr(samples_generator.SamplingParams, "_drpo_logprobs", False):
@@ -176,9 +183,13 @@ class _GroupAwarePPOTrainer(VerifiedSyncTrainer, ppo_trainer.PPOTrainer.__ray_ac
     def save_logs_and_checkpoints(self, global_step, logs_dict=None, client_states=None):
         if self._shaper is not None:
             client_states = {**(client_states or {}), SHAPING_STATE: self._shaper.state_dict()}
-        super().save_logs_and_checkpoints(global_step, logs_dict, client_states)
+        stopping = stop_requested(self.args.ckpt.path)
+        with saving_this_step(self.args.ckpt) if stopping else nullcontext():
+            super().save_logs_and_checkpoints(global_step, logs_dict, client_states)
         if self.tensorboard_logger:  # a run that stops on a fault keeps every step's metrics
             self.tensorboard_logger.writer.flush()
+        if stopping:
+            raise StopRequested(f"stop requested: saved global_step{global_step}, stopping")
         max_steps = self.args.drpo_run.max_steps
         if max_steps is not None and global_step >= max_steps:
             raise _MaxStepsReached
@@ -188,9 +199,15 @@ class _GroupAwarePPOTrainer(VerifiedSyncTrainer, ppo_trainer.PPOTrainer.__ray_ac
             super().fit(global_step)
         except _MaxStepsReached:
             logger.info("stopping after --drpo.max_steps=%d steps", self.args.drpo_run.max_steps)
-            for tracker in (self.wandb_logger, self.tensorboard_logger):
-                if tracker:
-                    tracker.close()
+            self._close_trackers()
+        except StopRequested:  # the driver ends the run on it, without OpenRLHF's final save
+            self._close_trackers()
+            raise
+
+    def _close_trackers(self) -> None:
+        for tracker in (self.wandb_logger, self.tensorboard_logger):
+            if tracker:
+                tracker.close()
 
     def init_checkpoint_states(self):
         states = super().init_checkpoint_states()
