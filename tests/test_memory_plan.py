@@ -203,3 +203,25 @@ def test_docs_show_the_sequence_parallel_memory_the_code_computes(size, checkpoi
     logits), by the ring size; docs/performance.md shows what ``plan`` computes."""
     table = sequence_parallel_table(size, tmp_path, checkpointing)
     assert table in (DOCS.parent / "performance.md").read_text()
+
+
+@pytest.mark.parametrize(("size", "shards"), [("1.5b", 1), ("7b", 16), ("8b", 16)])
+def test_a_sleeping_actor_keeps_its_weights_beside_vllm(size, shards, tmp_path):
+    """``--ds.enable_sleep`` offloads optimizer states, master weights and gradients, not the
+    bf16 weights (OpenRLHF leaves ``lp_params`` out): ZeRO-2 keeps them whole, ZeRO-3 its
+    shard."""
+    plan = recipe_plan(size, tmp_path)
+    generation = next(p for p in plan if p.name == "generation")
+    weights = next(t for t in generation.terms if t.name == "weights")
+    params = KNOWN_SHAPES[RECIPES[size]["model"]].params
+    assert weights.gib == pytest.approx(2 * params / shards / 2**30)
+
+
+def test_colocated_vllm_that_does_not_sleep_keeps_its_share_while_the_actor_trains(tmp_path):
+    """Without ``--vllm.enable_sleep`` the engines hold their KV cache through scoring and
+    training: the 8B recipe no longer fits, and the refusal names the flag."""
+    plan = recipe_plan("8b", tmp_path, **{"vllm.enable_sleep": False})
+    for phase in plan:
+        vllm = next(t for t in phase.terms if t.name == "vLLM")
+        assert vllm.gib == pytest.approx(0.6 * 81559 / 1024)
+    assert any("--vllm.enable_sleep" in problem for problem in plan.problems())

@@ -166,6 +166,23 @@ def _arg(args: argparse.Namespace, name: str):
     return getattr(args, name)
 
 
+def _vllm_beside_actor(args: argparse.Namespace, vllm_gib: float) -> Term:
+    """What a colocated vLLM engine holds while the actor scores and trains: its context and
+    graph pool when it sleeps, else its whole share (KV cache and weights stay allocated)."""
+    if _arg(args, "vllm.enable_sleep"):
+        return Term("vLLM asleep", VLLM_ASLEEP_GIB, "")
+    return Term("vLLM", vllm_gib, "--vllm.enable_sleep (frees it while the actor runs)")
+
+
+def _weights_asleep(zero: int, weight_bytes: float, world: int) -> Term:
+    """The actor's 16-bit weights while it sleeps: OpenRLHF's ``offload_deepspeed_states``
+    moves optimizer states, fp32 master weights and gradients to the CPU but not the weights
+    themselves (``lp_params`` is left out of its list), so their shard stays on the GPU."""
+    if zero == 3:
+        return Term("weights", weight_bytes / world / GIB, "more actor GPUs")
+    return Term("weights", weight_bytes / GIB, "--ds.zero_stage 3 shards it over the actor GPUs")
+
+
 def plan(args: argparse.Namespace, shape: ModelShape, capacity_gib: float) -> MemoryPlan:
     """The three phases of a run per actor GPU: generation (vLLM awake), scoring the rollout
     (old log-probs, the reference's), and the training micro-step."""
@@ -193,8 +210,9 @@ def plan(args: argparse.Namespace, shape: ModelShape, capacity_gib: float) -> Me
         "--ds.adam_offload" + (", or more actor GPUs" if zero else ", or --ds.zero_stage >= 1"),
     )
     resident = [Term("CUDA context", CUDA_CONTEXT_GIB, "")]
+    vllm = _arg(args, "vllm.gpu_memory_utilization") * capacity_gib
     if colocated:
-        resident.append(Term("vLLM asleep", VLLM_ASLEEP_GIB, ""))
+        resident.append(_vllm_beside_actor(args, vllm))
     has_ref = _arg(args, "algo.kl.init_coef") > 0 and not _arg(args, "ref.offload")
     if has_ref and colocated:
         ref_elems = p / world if zero == 3 else p
@@ -265,12 +283,14 @@ def plan(args: argparse.Namespace, shape: ModelShape, capacity_gib: float) -> Me
         ),
     ]
     if colocated:
-        asleep = _arg(args, "ds.enable_sleep")
-        actor = [Term("CUDA context", CUDA_CONTEXT_GIB, "")]
-        if not asleep:
+        actor = [
+            Term("CUDA context", CUDA_CONTEXT_GIB, ""),
+            Term("vLLM", vllm, "--vllm.gpu_memory_utilization"),
+        ]
+        if _arg(args, "ds.enable_sleep"):
+            actor.append(_weights_asleep(zero, width * p, world))
+        else:
             actor += [t for t in model_state if t.gib]
-        vllm = _arg(args, "vllm.gpu_memory_utilization") * capacity_gib
-        actor.append(Term("vLLM", vllm, "--vllm.gpu_memory_utilization"))
         phases.insert(0, Phase("generation", tuple(actor)))
     return MemoryPlan(tuple(phases), capacity_gib)
 
