@@ -126,7 +126,8 @@ def toy_policy(setup: Setup) -> tuple[Path, Path]:
 def pipeline_command(setup: Setup, mode: str, base: Path, data: Path, out: Path) -> list[str]:
     kl_estimate, micro, ranks = MODES[mode]
     ranks = ranks or max(setup.gpus, 1)
-    train_batch = N * max(4, ranks)  # a multiple of n and of micro-batch x ranks
+    # at least 4 groups per step, a whole number per rank: a multiple of n x ranks
+    train_batch = N * ranks * -(-4 // ranks)
     command = [
         sys.executable,
         "-m",
@@ -162,6 +163,13 @@ def pipeline_command(setup: Setup, mode: str, base: Path, data: Path, out: Path)
     return command
 
 
+def same_weights(trained: dict[str, torch.Tensor], base: dict[str, torch.Tensor]) -> bool:
+    """Whether a run's final weights are its base's as the run loaded them: the base (the
+    fp32 SFT policy) rounded to the dtype the run trained and saved in (bf16), so that an
+    update that changed nothing is not mistaken for one by the rounding alone."""
+    return all(torch.equal(trained[k], base[k].to(trained[k].dtype)) for k in base)
+
+
 def trained_outcome(out: Path, base: Path) -> Outcome:
     """What a run must show: real updates from mixed groups, finite numbers, vLLM sampling the
     actor's weights, the step-2 checkpoint and a final model that moved."""
@@ -186,10 +194,8 @@ def trained_outcome(out: Path, base: Path) -> Outcome:
     final = out / "model" / "model.safetensors"
     if not final.exists():
         problems.append("no final model")
-    else:
-        trained, before = load_file(final), load_file(base / "model.safetensors")
-        if all(torch.equal(trained[k].float(), before[k].float()) for k in before):
-            problems.append("the final model equals the base")
+    elif same_weights(load_file(final), load_file(base / "model.safetensors")):
+        problems.append("the final model equals the base")
     if problems:
         return Outcome(False, "; ".join(problems))
     fraction = max(valid.values())

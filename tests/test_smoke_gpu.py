@@ -33,7 +33,7 @@ def value_of(command: list[str], flag: str) -> str:
     return command[command.index(flag) + 1]
 
 
-@pytest.mark.parametrize("gpus", [0, 1, 2, 4, 8])
+@pytest.mark.parametrize("gpus", range(9))  # docs/gpu.md: one node with 1-8 GPUs
 @pytest.mark.parametrize("mode", list(smoke_gpu.MODES))
 def test_each_mode_is_a_valid_run_of_that_update_mode(mode, gpus, model_and_data, tmp_path):
     base, data = model_and_data
@@ -53,6 +53,35 @@ def test_each_mode_is_a_valid_run_of_that_update_mode(mode, gpus, model_and_data
     gpu_path = {"flash_attention_2", "--ds.packing_samples", "--train.colocate_all"}
     assert gpu_path <= set(command) if gpus else not gpu_path & set(command)
     assert value_of(command, "--ds.zero_stage") == ("3" if gpus else "2")
+
+
+def finished_run(out: Path, final: dict[str, torch.Tensor]) -> None:
+    """What a healthy 2-step run leaves (logs, checkpoint), with ``final`` as its model."""
+    from safetensors.torch import save_file
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(out / "tb") as writer:
+        for step in (1, 2):
+            for tag in ("valid_prompt_fraction", "objective", "kl", "rollout_logprob_gap"):
+                writer.add_scalar(f"train/drpo/{tag}", 0.01, step)
+    (out / "ckpt" / "_actor" / "global_step2").mkdir(parents=True)
+    (out / "model").mkdir()
+    save_file(final, out / "model" / "model.safetensors")
+
+
+def test_a_run_that_saved_its_base_in_bf16_did_not_train(tmp_path):
+    """The runs load the fp32 SFT policy in bf16 (OpenRLHF's --ds.param_dtype) and save bf16:
+    a run whose updates changed nothing saves the base rounded to bf16, and must FAIL."""
+    from safetensors.torch import save_file
+
+    base = {"w": torch.randn(64, 64, generator=torch.Generator().manual_seed(0))}
+    (tmp_path / "base").mkdir()
+    save_file(base, tmp_path / "base" / "model.safetensors")
+    finished_run(tmp_path / "untrained", {"w": base["w"].to(torch.bfloat16)})
+    untrained = smoke_gpu.trained_outcome(tmp_path / "untrained", tmp_path / "base")
+    assert not untrained.passed and "the final model equals the base" in untrained.detail
+    finished_run(tmp_path / "trained", {"w": (base["w"] + 0.01).to(torch.bfloat16)})
+    assert smoke_gpu.trained_outcome(tmp_path / "trained", tmp_path / "base").passed
 
 
 def test_gradient_check_passes_on_this_device_and_its_control_is_caught(tmp_path):
