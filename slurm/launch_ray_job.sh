@@ -4,8 +4,9 @@
 # Starts a Ray cluster (Slurm: head on the batch node and one worker per other node through
 # srun; local: one head on this machine), waits until every GPU has registered, submits
 # `python -m drpo_openrlhf.train ...` with `ray job submit`, streams its logs, and tears
-# the cluster down on exit, failure, SIGTERM/SIGINT, and SIGUSR1 (Slurm's time-limit warning,
-# which also requeues the job so it resumes from its latest checkpoint).
+# the cluster down on exit, failure, SIGTERM/SIGINT, and SIGUSR1 (Slurm's time-limit warning:
+# the job is first asked to save the step it is on and stop, then the launcher requeues it so
+# it resumes from that checkpoint).
 # Every setting is an environment variable; docs/launch.md lists them.
 #
 # Usage (normally through a recipe): launch_ray_job.sh [extra train flags...]
@@ -190,6 +191,11 @@ RAY_WAIT_TIMEOUT=${RAY_WAIT_TIMEOUT:-600}
 RAY_POLL_INTERVAL=${RAY_POLL_INTERVAL:-5}
 TEARDOWN_TIMEOUT=${TEARDOWN_TIMEOUT:-30}
 REQUEUE_ON_TIMELIMIT=${REQUEUE_ON_TIMELIMIT:-1}
+# How long the time-limit warning waits for the job to save its step and stop (0: no stop
+# request, teardown at once). 240 s fits the recipes' warning (--signal=B:USR1@300): what
+# follows is at most `ray job stop` (15 s) and the nodes' teardown (TEARDOWN_TIMEOUT 30 s, and
+# 1 s to kill), so the requeue still comes about 14 s before Slurm's own kill at the limit.
+STOP_GRACE_S=${STOP_GRACE_S:-240}
 LAUNCH_MODE=${LAUNCH_MODE:-$([[ -n ${SLURM_JOB_ID:-} ]] && echo slurm || echo local)}
 
 is_positive() { [[ $1 =~ ^[1-9][0-9]*$ ]]; }
@@ -198,6 +204,8 @@ for name in ROLLOUT_PROMPTS N_SAMPLES TRAIN_BATCH MICRO_TRAIN_BATCH MICRO_ROLLOU
   RAY_WAIT_TIMEOUT TEARDOWN_TIMEOUT; do
   is_positive "${!name}" || die "$name must be a positive integer, got '${!name}'"
 done
+[[ $STOP_GRACE_S =~ ^[0-9]+$ ]] ||
+  die "STOP_GRACE_S must be a whole number of seconds, got '$STOP_GRACE_S'"
 
 # ---------------------------------------------------------------------------------------------
 # Cluster shape.
@@ -429,6 +437,24 @@ fi
 read -ra extra_args <<<"$EXTRA_ARGS"
 train_args+=("${method_args[@]}" "${extra_args[@]}" "$@")
 
+# The value of the last `FLAG VALUE` / `FLAG=VALUE` among the arguments after $1 (argparse's
+# choice when a trailing flag overrides the recipe's).
+last_value() {
+  local flag=$1 value="" next=0 arg
+  for arg in "${@:2}"; do
+    if ((next)); then
+      value=$arg next=0
+    elif [[ $arg == "$flag" ]]; then
+      next=1
+    elif [[ $arg == "$flag="* ]]; then
+      value=${arg#*=}
+    fi
+  done
+  printf '%s\n' "$value"
+}
+# The trainer looks for this file after every step (drpo_openrlhf/integration/graceful_stop.py).
+stop_file=$(last_value --ckpt.path "${train_args[@]}")/DRPO_STOP_REQUESTED
+
 # Preflight: the entry point's own parser and checks (unknown flags, PPO-only flags, layouts
 # that split prompt groups) on this node, in seconds, before any Ray node starts.
 if [[ ${PREFLIGHT:-1} == 1 ]]; then
@@ -535,12 +561,44 @@ stop_slurm_nodes() {
   scancel --signal=TERM "$SLURM_JOB_ID" || log "scancel --signal=TERM $SLURM_JOB_ID failed"
 }
 
+# The time-limit warning: ask the running job to save the step it is on and stop (the
+# trainer looks for the request file after every step), and give it STOP_GRACE_S. A job that
+# has not ended by then is stopped by the teardown, as without the request: the rerun resumes
+# from its last complete checkpoint. A SIGTERM meanwhile still tears down at once.
+# shellcheck disable=SC2329  # run by on_signal
+stop_gracefully() {
+  ((job_running && STOP_GRACE_S > 0)) || return 0
+  if ! touch "$stop_file"; then
+    log "could not write $stop_file: stopping the job without a last checkpoint"
+    return 0
+  fi
+  log "asked the job to save its current step and stop ($stop_file);" \
+    "waiting up to ${STOP_GRACE_S}s (STOP_GRACE_S)"
+  local started=$SECONDS rc=0
+  wait_exit "$STOP_GRACE_S" "$submit_pid"
+  if kill -0 "$submit_pid" 2>/dev/null; then
+    log "the job did not stop within ${STOP_GRACE_S}s: stopping it; the rerun resumes from" \
+      "its last complete checkpoint"
+    return 0
+  fi
+  wait "$submit_pid" || rc=$?
+  job_running=0
+  if ((rc == 0)); then
+    log "the job saved its step and stopped after $((SECONDS - started))s"
+  else
+    log "the job failed (exit $rc) after the stop request; the rerun resumes from its last" \
+      "complete checkpoint"
+  fi
+}
+
 # shellcheck disable=SC2329  # run by the traps below
 on_signal() {
-  local name=$1 code=$2
+  local name=$1 code=$2 requeue=0
   log "received SIG$name"
+  [[ $name == USR1 && $LAUNCH_MODE == slurm && $REQUEUE_ON_TIMELIMIT == 1 ]] && requeue=1
+  ((requeue)) && stop_gracefully
   teardown
-  if [[ $name == USR1 && $LAUNCH_MODE == slurm && $REQUEUE_ON_TIMELIMIT == 1 ]]; then
+  if ((requeue)); then
     log "time limit near: requeueing job $SLURM_JOB_ID (it resumes from the latest checkpoint)"
     scontrol requeue "$SLURM_JOB_ID" || log "scontrol requeue failed: resubmit the job to resume"
   fi

@@ -359,6 +359,7 @@ def test_ring_attention_without_packing_is_a_clear_error(harness: Harness) -> No
         ({"RING_ATTN_SIZE": "3", "PREFLIGHT": "1"},
          "--ds.ring_attn_size x --ds.tensor_parallel_size (3 x 1)"),
         ({"N_SAMPLES": "0"}, "N_SAMPLES must be a positive integer"),
+        ({"STOP_GRACE_S": "4m"}, "STOP_GRACE_S must be a whole number of seconds, got '4m'"),
         ({"TRAIN_DATA": "/nope/train.jsonl"}, "TRAIN_DATA=/nope/train.jsonl does not exist"),
         ({"EVAL_DATA": "/nonexistent/aime.jsonl"}, "eval set /nonexistent/aime.jsonl does not"),
         ({"TRAIN_DATA": "org/some-hub-dataset"}, "cannot count the prompts of TRAIN_DATA"),

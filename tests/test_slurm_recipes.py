@@ -35,6 +35,7 @@ from launch_checks import (
 from slurm_cluster import NODES, SlurmCluster, module_cluster
 
 from drpo_openrlhf.eval.tensorboard_logs import read_scalars
+from drpo_openrlhf.integration.checkpoints import is_complete
 
 pytestmark = pytest.mark.slow
 
@@ -200,33 +201,78 @@ def test_recipe_runs_under_slurm(jobs: Jobs, size: str, nodes: int, env: dict) -
     assert run.of("ray", "job", "stop") == []  # the job ended by itself
 
 
-def test_time_limit_warning_requeues_and_resumes(jobs: Jobs, cluster: SlurmCluster) -> None:
-    """USR1 (what `--signal=B:USR1@300` sends) -> teardown -> requeue -> the rerun resumes."""
-    job_id = jobs.submit("8b", FAKE_JOB="train")
+def requeued_after_usr1(jobs: Jobs, cluster: SlurmCluster, **env: str) -> tuple[str, int, Run]:
+    """The 8B recipe's job with the training stand-in (a checkpoint of step 20, then it
+    trains): USR1 (what `--signal=B:USR1@300` sends), the requeue, the rerun to its end.
+    Returns the first submission's id, the index of the rerun's submit call, the run."""
+    job_id = jobs.submit("8b", FAKE_JOB="train", **env)
     jobs.wait_for("job-running")
     cluster.run("scancel", "--batch", "--signal=USR1", job_id)
     start_requeued_now(cluster, job_id)
     info, run = jobs.finish(job_id, lambda i: i["Restarts"] == "1" and ended(i))
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), run.output
+    requeue = f"requeueing job {job_id}"
+    assert run.output.index("received SIGUSR1") < run.output.index(requeue)
+    request = jobs.tmp / "out" / "drpo-8b_drpo_lam0.1" / "ckpt" / "DRPO_STOP_REQUESTED"
+    assert f"asked the job to save its current step and stop ({request})" in run.output
+    assert request.exists()  # the launcher wrote it (the entry point removes it at start)
 
+    # The rerun: same output file (--open-mode=append), SLURM_RESTART_COUNT=1, same run dir.
     first, second = (f"drpo-8b_drpo_lam0.1-{job_id}-{n}" for n in (0, 1))
+    submits = run.of("ray", "job", "submit")
+    assert [c["argv"][5] for c in submits] == [first, second]
+    assert len(run.of("ray", "start")) == 4  # the cluster was started again
+    rerun = run.index("ray", "job", "submit", "--address", "http://127.0.0.1:8265",
+                      "--submission-id", second)  # fmt: skip
+    assert_ray_stopped(run.calls[rerun:], NODES)
+    assert "forcing job termination" not in run.output
+    return first, rerun, run
+
+
+def test_time_limit_warning_saves_the_step_then_requeues_and_resumes(
+    jobs: Jobs, cluster: SlurmCluster
+) -> None:
+    """USR1 -> stop request -> the job saves step 21 and ends -> teardown -> requeue -> the
+    rerun resumes from step 21, not from the regular save of step 20."""
+    _, rerun, run = requeued_after_usr1(jobs, cluster)
+    (stopped,) = run.of("ray", "<job stopped on request>")
+    assert "the job saved its step and stopped after" in run.output
+    assert run.of("ray", "job", "stop") == [] and run.of("ray", "<job client stopped>") == []
+    assert_ray_stopped(run.calls[run.calls.index(stopped) : rerun], NODES)
+    (resumed,) = run.of("ray", "<job resumed>")
+    assert resumed["argv"][1] == "global_step21"
+
+
+def test_time_limit_warning_falls_back_when_the_job_outlasts_the_grace(
+    jobs: Jobs, cluster: SlurmCluster
+) -> None:
+    """A job that does not stop within STOP_GRACE_S (its step and save take longer) is stopped
+    as before the request existed: teardown, requeue, resume from its last checkpoint."""
+    first, rerun, run = requeued_after_usr1(jobs, cluster, FAKE_STOP="ignore", STOP_GRACE_S="2")
+    assert "the job did not stop within 2s: stopping it" in run.output
+    assert run.of("ray", "<job stopped on request>") == []
     (stop,) = run.of("ray", "job", "stop")
     assert stop["argv"][-1] == first
     assert run.of("ray", "<job client stopped>")
-    requeue = f"requeueing job {job_id}"
-    assert run.output.index("received SIGUSR1") < run.output.index(requeue)
-    rerun = run.index("ray", "job", "submit", "--address", "http://127.0.0.1:8265",
-                      "--submission-id", second)  # fmt: skip
     assert_ray_stopped(run.calls[run.index("ray", "job", "stop") : rerun], NODES)
-
-    # The rerun: same output file (--open-mode=append), SLURM_RESTART_COUNT=1, same run dir.
-    submits = run.of("ray", "job", "submit")
-    assert [c["argv"][5] for c in submits] == [first, second]
     (resumed,) = run.of("ray", "<job resumed>")
     assert resumed["argv"][1] == "global_step20"
-    assert len(run.of("ray", "start")) == 4  # the cluster was started again
-    assert_ray_stopped(run.calls[rerun:], NODES)
-    assert "forcing job termination" not in run.output
+
+
+def test_scancel_during_the_grace_tears_down_at_once(jobs: Jobs, cluster: SlurmCluster) -> None:
+    """The grace is for the time-limit warning only: a cancel (or preemption) while the
+    launcher waits for the job to stop still tears down at once, without a requeue."""
+    job_id = jobs.submit("7b", FAKE_JOB="train", FAKE_STOP="ignore")
+    jobs.wait_for("job-running")
+    cluster.run("scancel", "--batch", "--signal=USR1", job_id)
+    cluster.wait_job(job_id, lambda i: "asked the job" in jobs.output(job_id))
+    cluster.run("scancel", job_id)
+    info, run = jobs.finish(job_id)
+    assert (info["JobState"], info["Restarts"]) == ("CANCELLED", "0"), run.output
+    assert run.output.index("asked the job") < run.output.index("received SIGTERM")
+    assert run.of("ray", "job", "stop") and run.of("ray", "<job client stopped>")
+    assert run.stopped_nodes() == set(NODES)
+    assert "requeueing" not in run.output and "did not stop within" not in run.output
 
 
 def test_failed_job_tears_down(jobs: Jobs) -> None:
@@ -281,11 +327,13 @@ def test_loopback_host_name_asks_for_net_iface(jobs: Jobs) -> None:
 def test_real_pipeline_requeues_and_resumes(cluster: SlurmCluster, toy, tmp_path: Path) -> None:
     """The product as a user starts it, with nothing standing in: `sbatch` of the 1.5B recipe
     -> real Ray -> `python -m drpo_openrlhf.train` with a vLLM CPU engine and the DeepSpeed
-    actor -> DRPO steps and checkpoints -> USR1 -> teardown and requeue -> the rerun resumes
-    from the checkpoint and finishes; no Ray, vLLM or Slurm process is left. On CPU the
-    recipe runs non-colocated (COLOCATE=0: one fake GPU trains, one generates) with sdpa."""
-    # About 1 s each here, and the first run trains on for up to 10 s after USR1 (the
-    # teardown's `ray job stop`): enough that the rerun has steps left to train
+    actor -> DRPO steps -> USR1 -> the stop request: the trainer saves the step it is on and
+    the job ends -> teardown and requeue -> the rerun resumes from that step's checkpoint and
+    finishes; no Ray, vLLM or Slurm process is left. On CPU the recipe runs non-colocated
+    (COLOCATE=0: one fake GPU trains, one generates) with sdpa."""
+    # About 1 s each here; the first run stops one step after USR1, so the rerun has steps
+    # left to train. The only regular save is the last step's: the checkpoint the rerun
+    # resumes from can only be the one the stop request made.
     steps = 30
     run_dir = tmp_path / "out" / "drpo-1.5b_drpo_lam0.1"
     ckpt = run_dir / "ckpt" / "_actor"
@@ -305,7 +353,7 @@ def test_real_pipeline_requeues_and_resumes(cluster: SlurmCluster, toy, tmp_path
         "EXTRA_ARGS": "--vllm.enforce_eager",
         **dict(ROLLOUT_PROMPTS="4", N_SAMPLES="4", TRAIN_BATCH="16", MICRO_TRAIN_BATCH="8"),
         **dict(MAX_NEW_TOKENS="64", PROMPT_MAX_LEN="64", TEMPERATURE="1.0", LR="1e-3"),
-        **dict(MAX_STEPS=str(steps), SAVE_STEPS="1"),
+        **dict(MAX_STEPS=str(steps), SAVE_STEPS=str(steps)),
         "RAY_PORT": str(free_port()),
         "RAY_DASHBOARD_PORT": str(free_port()),
         "RAY_POLL_INTERVAL": "1",
@@ -317,11 +365,11 @@ def test_real_pipeline_requeues_and_resumes(cluster: SlurmCluster, toy, tmp_path
     )  # fmt: skip
     job_id = submitted.stdout.strip().split(";")[0]
     try:
-        # USR1 once the first checkpoint is complete (DeepSpeed writes `latest` last)
+        # USR1 once the run trains (its first steps are logged)
         deadline = time.monotonic() + 420
-        while not (ckpt / "latest").exists():
+        while "Global step 2:" not in (out.read_text() if out.exists() else ""):
             assert cluster.job(job_id)["JobState"] in ("PENDING", "RUNNING"), out.read_text()
-            assert time.monotonic() < deadline, "no checkpoint within 7 minutes"
+            assert time.monotonic() < deadline, "no training step within 7 minutes"
             time.sleep(0.2)
         cluster.run("scancel", "--batch", "--signal=USR1", job_id)
         cluster.wait_job(job_id, lambda i: i["Restarts"] == "1", timeout=120)
@@ -347,16 +395,22 @@ def test_real_pipeline_requeues_and_resumes(cluster: SlurmCluster, toy, tmp_path
 
     rerun = output[len(first_run) :]
     assert "Global step 1:" in first_run and "received SIGUSR1" in first_run
-    assert f"requeueing job {job_id}" in first_run
-    # the entry point's choice: `latest` may name a step whose save the USR1 interrupted
-    resumed_at = int(re.search(rf"drpo_openrlhf: resuming from {ckpt}/global_step(\d+)", rerun)[1])
-    assert 1 <= resumed_at < steps, rerun
-    assert f"Global step {resumed_at + 1}:" in rerun and f"Global step {resumed_at}:" not in rerun
+    stop_line = r"drpo_openrlhf: stop requested: saved global_step(\d+), stopping"
+    stopped_at = int(re.search(stop_line, first_run)[1])
+    assert 2 <= stopped_at < steps and f"Global step {stopped_at + 1}:" not in first_run
+    assert "the job saved its step and stopped after" in first_run
+    assert first_run.index("the job saved its step") < first_run.index(f"requeueing job {job_id}")
+    assert is_complete(ckpt / f"global_step{stopped_at}")  # marked as any save is
+    # the rerun removed the request that stopped the first run, and resumed from its save
+    request = run_dir / "ckpt" / "DRPO_STOP_REQUESTED"
+    assert f"drpo_openrlhf: removed the stop request {request} left by an earlier run" in rerun
+    assert f"drpo_openrlhf: resuming from {ckpt}/global_step{stopped_at}\n" in rerun
+    assert f"Global step {stopped_at + 1}:" in rerun and f"Global step {stopped_at}:" not in rerun
     assert f"Global step {steps}:" in rerun and f"drpo-1.5b_drpo_lam0.1-{job_id}-1" in rerun
 
     # the rerun's steps (the first run's events may be lost with its unflushed writer)
     logged = read_scalars(run_dir / "tensorboard")
-    assert set(range(resumed_at + 1, steps + 1)) <= set(logged["train/drpo/objective"])
+    assert set(range(stopped_at + 1, steps + 1)) <= set(logged["train/drpo/objective"])
     assert all(math.isfinite(v) for v in logged["train/drpo/objective"].values())
     assert max(logged["train/drpo/rollout_logprob_gap"].values()) < 0.05
     assert (ckpt / f"global_step{steps}").is_dir()

@@ -10,7 +10,9 @@ real ones, srun answers SIGTERM by killing its tasks (SIGKILL) and `scancel --si
 sends SIGTERM to the steps' processes, not to the batch shell. Nothing real is started.
 
 Knobs (environment): FAKE_JOB=succeed|fail|block|train (what `ray job submit` does; train:
-resume when the command's --ckpt.path holds a checkpoint, else write one and block),
+resume when the command's --ckpt.path holds a checkpoint, else write one (global_step20) and
+block; on the launcher's stop request it saves global_step21 and ends, as the trainer does,
+unless FAKE_STOP=ignore: a step that outlasts the launcher's grace),
 FAKE_RAY_START_FAIL / FAKE_RAY_NO_REGISTER (comma-separated nodes whose `ray start` fails /
 never registers), FAKE_GPUS (GPUs `nvidia-smi -L` lists).
 """
@@ -23,6 +25,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 TRACKED_ENV = (
@@ -194,13 +197,15 @@ def ray(argv: list[str]) -> int:
         mode = os.environ.get("FAKE_JOB", "succeed")
         print(f"fake job log line ({mode})", flush=True)
         if mode == "train":
-            actor = Path(argv[argv.index("--ckpt.path") + 1]) / "_actor"
+            ckpt = Path(argv[argv.index("--ckpt.path") + 1])
+            actor = ckpt / "_actor"
             if (actor / "latest").exists():
                 record("ray", ["<job resumed>", (actor / "latest").read_text()])
                 return 0
             (actor / "global_step20").mkdir(parents=True)
             (actor / "latest").write_text("global_step20")
-        if mode in ("block", "train"):
+            return _train_until_stopped(ckpt, state)
+        if mode == "block":
             pid_file = state / f"client-{os.getpid()}"
             pid_file.touch()
 
@@ -214,6 +219,31 @@ def ray(argv: list[str]) -> int:
         return 0
     print(f"fake ray: unsupported {argv}", file=sys.stderr)
     return 2
+
+
+def _train_until_stopped(ckpt: Path, state: Path) -> int:
+    """A training job after its checkpoint of step 20: SIGTERM (the teardown) ends it; the
+    stop request file makes it save step 21 and end with 0, unless FAKE_STOP=ignore."""
+    pid_file = state / f"client-{os.getpid()}"
+    pid_file.touch()
+
+    def stopped(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        pid_file.unlink()
+        record("ray", ["<job client stopped>"])
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, stopped)
+    (state / "job-running").touch()
+    honour = os.environ.get("FAKE_STOP") != "ignore"
+    while not (honour and (ckpt / "DRPO_STOP_REQUESTED").exists()):
+        time.sleep(0.1)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    (ckpt / "_actor" / "global_step21").mkdir()
+    (ckpt / "_actor" / "latest").write_text("global_step21")
+    pid_file.unlink()
+    record("ray", ["<job stopped on request>", "global_step21"])
+    return 0
 
 
 def hostname(argv: list[str]) -> int:
