@@ -584,7 +584,7 @@ stop_gracefully() {
   wait "$submit_pid" || rc=$?
   job_running=0
   if ((rc == 0)); then
-    log "the job saved its step and stopped after $((SECONDS - started))s"
+    log "the job ended (exit 0) $((SECONDS - started))s after the stop request"
   else
     log "the job failed (exit $rc) after the stop request; the rerun resumes from its last" \
       "complete checkpoint"

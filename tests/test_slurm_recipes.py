@@ -236,7 +236,7 @@ def test_time_limit_warning_saves_the_step_then_requeues_and_resumes(
     rerun resumes from step 21, not from the regular save of step 20."""
     _, rerun, run = requeued_after_usr1(jobs, cluster)
     (stopped,) = run.of("ray", "<job stopped on request>")
-    assert "the job saved its step and stopped after" in run.output
+    assert "the job ended (exit 0)" in run.output
     assert run.of("ray", "job", "stop") == [] and run.of("ray", "<job client stopped>") == []
     assert_ray_stopped(run.calls[run.calls.index(stopped) : rerun], NODES)
     (resumed,) = run.of("ray", "<job resumed>")
@@ -261,14 +261,23 @@ def test_time_limit_warning_falls_back_when_the_job_outlasts_the_grace(
 
 def test_scancel_during_the_grace_tears_down_at_once(jobs: Jobs, cluster: SlurmCluster) -> None:
     """The grace is for the time-limit warning only: a cancel (or preemption) while the
-    launcher waits for the job to stop still tears down at once, without a requeue."""
-    job_id = jobs.submit("7b", FAKE_JOB="train", FAKE_STOP="ignore")
+    launcher waits for the job to stop still tears down at once, without a requeue. The
+    request goes where the training command's last --ckpt.path points (here a trailing flag
+    overrides the recipe's)."""
+    elsewhere = jobs.tmp / "elsewhere"
+    elsewhere.mkdir()
+    job_id = jobs.submit(
+        "7b", FAKE_JOB="train", FAKE_STOP="ignore", EXTRA_ARGS=f"--ckpt.path={elsewhere}"
+    )
     jobs.wait_for("job-running")
     cluster.run("scancel", "--batch", "--signal=USR1", job_id)
     cluster.wait_job(job_id, lambda i: "asked the job" in jobs.output(job_id))
     cluster.run("scancel", job_id)
     info, run = jobs.finish(job_id)
     assert (info["JobState"], info["Restarts"]) == ("CANCELLED", "0"), run.output
+    request = elsewhere / "DRPO_STOP_REQUESTED"
+    assert f"asked the job to save its current step and stop ({request})" in run.output
+    assert request.exists()
     assert run.output.index("asked the job") < run.output.index("received SIGTERM")
     assert run.of("ray", "job", "stop") and run.of("ray", "<job client stopped>")
     assert run.stopped_nodes() == set(NODES)
@@ -398,8 +407,8 @@ def test_real_pipeline_requeues_and_resumes(cluster: SlurmCluster, toy, tmp_path
     stop_line = r"drpo_openrlhf: stop requested: saved global_step(\d+), stopping"
     stopped_at = int(re.search(stop_line, first_run)[1])
     assert 2 <= stopped_at < steps and f"Global step {stopped_at + 1}:" not in first_run
-    assert "the job saved its step and stopped after" in first_run
-    assert first_run.index("the job saved its step") < first_run.index(f"requeueing job {job_id}")
+    ended = re.search(r"the job ended \(exit 0\) (\d+)s after the stop request", first_run)
+    assert ended and first_run.index(ended[0]) < first_run.index(f"requeueing job {job_id}")
     assert is_complete(ckpt / f"global_step{stopped_at}")  # marked as any save is
     # the rerun removed the request that stopped the first run, and resumed from its save
     request = run_dir / "ckpt" / "DRPO_STOP_REQUESTED"
