@@ -312,6 +312,25 @@ def refuse_tensor_parallel_with_chunks(args: argparse.Namespace) -> None:
         )
 
 
+def refuse_sleep_with_bf16_optimizer(args: argparse.Namespace) -> None:
+    """ZeRO-1 with bf16 weights and fp32 gradient accumulation (our default) runs on DeepSpeed's
+    ``BF16_Optimizer``, which has no ``offload_states``: OpenRLHF's ``--ds.enable_sleep``
+    calls it as the actor starts, so the run would die after Ray and vLLM are up. (With
+    ``--ds.adam_offload`` DeepSpeed keeps its ZeRO optimizer and OpenRLHF skips the call.)"""
+    if (
+        getattr(args, "ds.enable_sleep")
+        and getattr(args, "ds.zero_stage") == 1
+        and getattr(args, "ds.param_dtype") == "bf16"
+        and getattr(args, "ds.grad_accum_dtype") == "fp32"
+        and not getattr(args, "ds.adam_offload")
+    ):
+        raise ValueError(
+            "--ds.enable_sleep cannot offload ZeRO-1's bf16 optimizer, which DeepSpeed uses "
+            "with --ds.grad_accum_dtype fp32 (the default here): use --ds.zero_stage 3 (fp32 "
+            "accumulation) or 2, or add --ds.grad_accum_dtype bf16 (docs/gpu.md)"
+        )
+
+
 def check_positive_reward(args: argparse.Namespace, baseline: bool) -> str:
     """``--drpo.positive_reward`` loaded and probed (``preflight``); returns it with its
     files' paths as the Ray workers will find them."""
@@ -398,6 +417,7 @@ def parse(argv: list[str]) -> tuple[DRPOConfig, SimpleNamespace, list[str]]:
         else:
             config = validate(args, parser)
         refuse_tensor_parallel_with_chunks(args)
+        refuse_sleep_with_bf16_optimizer(args)
         check_inputs(args)
         positive_reward = check_positive_reward(args, baseline=bool(method))
         config = replace(config, positive_reward=positive_reward)

@@ -186,3 +186,47 @@ def test_default_reaches_deepspeeds_config(mode):
         assert argv.count("--ds.grad_accum_dtype") == 1
         config = get_strategy(openrlhf_args(argv)).get_ds_train_config()
         assert config["data_types"] == {"grad_accum_dtype": expected}
+
+
+def zero1_optimizers(_rank: int, port: int, out: str) -> None:
+    """One rank: the optimizer DeepSpeed builds for ZeRO-1 with bf16 weights and each
+    accumulation dtype, and whether it has the ``offload_states`` that OpenRLHF's
+    ``--ds.enable_sleep`` calls (``offload_deepspeed_states``)."""
+    import actor_setup
+    from drpo_actor_harness import tiny_model
+
+    actor_setup.set_rank_env(0, 1, port)
+    found = {}
+    for accum in ("fp32", "bf16"):
+        flags = ["--ds.zero_stage", "1", "--ds.grad_accum_dtype", accum, "--ds.enable_sleep"]
+        strategy = actor_setup.setup_strategy(actor_setup.openrlhf_args(flags), "bf16")
+        optimizer = actor_setup.prepare_actor(strategy, tiny_model())[0].model.optimizer
+        found[accum] = (type(optimizer).__name__, hasattr(optimizer, "offload_states"))
+    torch.save(found, out)
+
+
+def test_zero1_sleep_with_fp32_accumulation_is_refused_as_deepspeed_cannot_offload_it(
+    tmp_path, capsys
+):
+    """DeepSpeed 0.19.6 runs ZeRO-1 + bf16 + fp32 accumulation on its BF16_Optimizer, which
+    has no ``offload_states`` (the ZeRO optimizer of bf16 accumulation has): the hybrid
+    engine's sleep would crash the actor at start-up, so the entry point refuses it."""
+    from drpo_openrlhf import train
+
+    out = str(tmp_path / "optimizers.pt")
+    mp.spawn(zero1_optimizers, args=(free_port(), out), nprocs=1, join=True)
+    found = torch.load(out)
+    assert found == {"fp32": ("BF16_Optimizer", False), "bf16": ("DeepSpeedZeroOptimizer", True)}
+    base = [
+        *("--actor.model_name_or_path", "some/model", "--rollout.n_samples_per_prompt", "8"),
+        *("--rollout.batch_size", "128", "--train.batch_size", "256"),
+        *("--train.micro_batch_size", "4", "--ds.enable_sleep"),
+    ]
+    with pytest.raises(SystemExit):
+        train.parse([*base, "--ds.zero_stage", "1"])
+    assert "--ds.grad_accum_dtype bf16" in capsys.readouterr().err
+    for fine in (
+        ["--ds.zero_stage", "1", "--ds.grad_accum_dtype", "bf16"],
+        ["--ds.zero_stage", "2"],
+    ):
+        train.parse([*base, *fine])
