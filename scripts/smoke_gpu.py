@@ -5,6 +5,9 @@ Checks (``--checks`` picks some; docs/gpu.md says what each means and what to do
   gradient   DRPO's gradient on the device (bf16, flash-attention 2, packed samples) equals the
              fp64 reference within its measured tolerance, and a corrupted loss does not: the
              negative control (scripts/smoke_gradient.py)
+  eval       drpo-eval's vLLM backend on the toy policy, two models in one process as
+             drpo-eval runs them: the second engine starts only if the first one's GPU
+             memory came back; both must answer some prompts right
   scores / penalty / one-pass
              ``python -m drpo_openrlhf.train`` on a toy task with mixed rewards (a policy that
              answers about half its prompts right), one run per update mode of the DRPO actor;
@@ -25,6 +28,7 @@ import json
 import math
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -204,32 +208,81 @@ def trained_outcome(out: Path, base: Path) -> Outcome:
     )
 
 
+def logged_run(command: list[str], out: Path, judge: Callable[[], Outcome]) -> Outcome:
+    """Run ``command`` with its output in ``out``.log; a non-zero exit fails with the log's
+    tail, else ``judge`` says what the run left."""
+    log = out.with_name(out.name + ".log")
+    clock = time.monotonic()
+    with log.open("w") as sink:
+        done = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S)
+    seconds = time.monotonic() - clock
+    if done.returncode != 0:
+        tail = log.read_text().splitlines()[-5:]
+        return Outcome(False, f"exit {done.returncode} after {seconds:.0f} s ({log}): {tail}")
+    outcome = judge()
+    return Outcome(outcome.passed, f"{outcome.detail} ({seconds:.0f} s, log {log})")
+
+
 def pipeline_check(mode: str) -> Callable[[Setup], Outcome]:
     def check(setup: Setup) -> Outcome:
         base, data = toy_policy(setup)
         out = setup.work / f"run-{mode}"
-        log = setup.work / f"run-{mode}.log"
-        clock = time.monotonic()
-        with log.open("w") as sink:
-            done = subprocess.run(
-                pipeline_command(setup, mode, base, data, out),
-                stdout=sink,
-                stderr=subprocess.STDOUT,
-                timeout=RUN_TIMEOUT_S,
-            )
-        seconds = time.monotonic() - clock
-        if done.returncode != 0:
-            tail = log.read_text().splitlines()[-5:]
-            return Outcome(False, f"exit {done.returncode} after {seconds:.0f} s ({log}): {tail}")
-        outcome = trained_outcome(out, base)
-        return Outcome(outcome.passed, f"{outcome.detail} ({seconds:.0f} s, log {log})")
+        command = pipeline_command(setup, mode, base, data, out)
+        return logged_run(command, out, lambda: trained_outcome(out, base))
 
     return check
+
+
+EVAL_MODELS = ("first", "second")
+
+
+def eval_command(setup: Setup, models: list[Path], data: Path, out: Path) -> list[str]:
+    """``drpo-eval`` with its vLLM backend on two copies of the toy policy (two directories,
+    so that neither answers from the other's generation cache), in one process as drpo-eval
+    evaluates its models in turn. Each engine asks for 60% of the GPU, so the second one
+    starts only if closing the first gave its memory back."""
+    share = "0.6" if setup.gpus else "0.1"  # without a GPU: vLLM CPU's share of RAM
+    eager = [] if setup.gpus else ["--enforce-eager"]  # as the CPU pipeline runs vLLM
+    pairs = zip(models, EVAL_MODELS, strict=True)
+    models = [x for model, name in pairs for x in ("--model", str(model), "--name", name)]
+    return [
+        *(sys.executable, "-m", "drpo_openrlhf.eval", "run", "--backend", "vllm", *models),
+        *("--data", str(data), "--limit", "16", "--n", str(N), "--temperature", "0.6"),
+        *("--top-p", "1.0", "--max-new-tokens", "96", "--gpu-memory-utilization", share),
+        *eager,
+        *("--output-dir", str(out), "--no-progress"),
+    ]
+
+
+def evaluated_outcome(out: Path) -> Outcome:
+    """Both models evaluated, each answering some of the toy prompts right (the policy
+    answers about half of them): a backend that generates garbage scores 0."""
+    scores = {}
+    for name in EVAL_MODELS:
+        result = out / f"{name}.json"
+        if not result.exists():
+            return Outcome(False, f"no result for the {name} model")
+        scores[name] = json.loads(result.read_text())["average"]["pass@1"]
+    wrong = {name: s for name, s in scores.items() if not s > 0}
+    if wrong:
+        return Outcome(False, f"pass@1 {wrong}: the vLLM backend's responses are all wrong")
+    return Outcome(True, "pass@1 " + ", ".join(f"{n} {s:.2f}" for n, s in scores.items()))
+
+
+def check_eval(setup: Setup) -> Outcome:
+    base, data = toy_policy(setup)
+    copy = base.with_name("base-copy")
+    if not copy.exists():
+        shutil.copytree(base, copy)
+    out = setup.work / "eval"
+    command = eval_command(setup, [base, copy], data, out)
+    return logged_run(command, out, lambda: evaluated_outcome(out))
 
 
 CHECKS: dict[str, Callable[[Setup], Outcome]] = {
     "env": check_env,
     "gradient": check_gradient,
+    "eval": check_eval,
     **{mode: pipeline_check(mode) for mode in MODES},
 }
 PIPELINE = set(MODES)

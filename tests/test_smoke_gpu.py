@@ -84,6 +84,34 @@ def test_a_run_that_saved_its_base_in_bf16_did_not_train(tmp_path):
     assert smoke_gpu.trained_outcome(tmp_path / "trained", tmp_path / "base").passed
 
 
+@pytest.mark.parametrize("gpus", [0, 1])
+def test_eval_check_runs_drpo_eval_on_two_models_with_vllm(gpus, tmp_path):
+    from drpo_openrlhf.eval.cli import _run_parser
+
+    setup = smoke_gpu.Setup(work=tmp_path, gpus=gpus)
+    models = [tmp_path / "base", tmp_path / "base-copy"]
+    command = smoke_gpu.eval_command(setup, models, tmp_path / "d.jsonl", tmp_path)
+    assert command[1:4] == ["-m", "drpo_openrlhf.eval", "run"]
+    args = _run_parser().parse_args(command[4:])
+    assert args.backend == "vllm" and args.name == list(smoke_gpu.EVAL_MODELS)
+    assert args.model == [str(m) for m in models]
+    assert args.gpu_memory_utilization > 0.5 if gpus else args.gpu_memory_utilization <= 0.1
+    assert args.enforce_eager == (not gpus)  # CUDA graphs on a GPU, as users run it
+
+
+def test_eval_check_fails_without_both_results_or_with_no_right_answer(tmp_path):
+    def write(name: str, score: float) -> None:
+        (tmp_path / f"{name}.json").write_text(json.dumps({"average": {"pass@1": score}}))
+
+    write("first", 0.4)
+    assert "no result for the second" in smoke_gpu.evaluated_outcome(tmp_path).detail
+    write("second", 0.0)
+    outcome = smoke_gpu.evaluated_outcome(tmp_path)
+    assert not outcome.passed and "all wrong" in outcome.detail
+    write("second", 0.5)
+    assert smoke_gpu.evaluated_outcome(tmp_path).passed
+
+
 def test_gradient_check_passes_on_this_device_and_its_control_is_caught(tmp_path):
     from drpo_openrlhf.demo.toy_model import build_toy_model
 

@@ -60,6 +60,11 @@ def _run_parser() -> argparse.ArgumentParser:
     backend.add_argument("--data-parallel-size", type=int, default=1, help="vllm")
     backend.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="vllm")
     backend.add_argument("--max-model-len", type=int, help="vllm (default: the model's)")
+    backend.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="vllm: no CUDA graphs or torch.compile (vLLM's CPU build under TORCHDYNAMO_DISABLE)",
+    )
     backend.add_argument("--batch-size", type=int, default=8, help="hf: prompts per generate")
     backend.add_argument("--device", help="hf (default: cuda if available, else cpu)")
     grading = p.add_argument_group("grading")
@@ -109,6 +114,7 @@ def _backend_factory(args: argparse.Namespace, backend: str):
         dtype=args.dtype,
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_model_len=args.max_model_len,
+        enforce_eager=args.enforce_eager,
         progress=not args.no_progress,
     )
 

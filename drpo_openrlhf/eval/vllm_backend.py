@@ -1,7 +1,8 @@
 """vLLM generation backend (GPU), written against vLLM 0.29's offline ``LLM`` API.
 
-vLLM cannot be installed on the CPU development machines, so it is imported only inside the
-functions that need it and this module is not exercised by the test suite.
+vLLM is imported only inside the functions that need it (``--backend hf`` runs without it).
+vLLM's CPU build runs this module too with ``enforce_eager`` (no torch.compile), which is how
+``scripts/smoke_gpu.py --checks eval`` exercises it without a GPU.
 
 Tensor parallelism is vLLM's own (``tensor_parallel_size``). Data parallelism is done here
 rather than through vLLM's data-parallel engine options, which change between releases: each
@@ -94,6 +95,7 @@ class VLLMBackend:
         dtype: str = "auto",
         gpu_memory_utilization: float = 0.9,
         max_model_len: int | None = None,
+        enforce_eager: bool = False,
         progress: bool = True,
     ) -> None:
         self.progress = progress
@@ -102,6 +104,7 @@ class VLLMBackend:
             "dtype": dtype,
             "gpu_memory_utilization": gpu_memory_utilization,
             "seed": seed,
+            "enforce_eager": enforce_eager,
         }
         if max_model_len is not None:
             llm_kwargs["max_model_len"] = max_model_len
