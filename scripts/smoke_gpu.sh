@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The first run on a GPU node (docs/gpu.md): PASS/FAIL per check, non-zero exit on any FAIL.
 # Minutes on 1-8 GPUs; the same checks run on the CPU path without one.
-#   bash scripts/smoke_gpu.sh [--work DIR] [--checks env gradient penalty one-pass scores]
+#   bash scripts/smoke_gpu.sh [--work DIR] [--checks env gradient eval penalty one-pass scores]
 set -euo pipefail
 exec python "$(dirname "$0")/smoke_gpu.py" "$@"
