@@ -407,8 +407,8 @@ def test_real_pipeline_requeues_and_resumes(cluster: SlurmCluster, toy, tmp_path
     stop_line = r"drpo_openrlhf: stop requested: saved global_step(\d+), stopping"
     stopped_at = int(re.search(stop_line, first_run)[1])
     assert 2 <= stopped_at < steps and f"Global step {stopped_at + 1}:" not in first_run
-    ended = re.search(r"the job ended \(exit 0\) (\d+)s after the stop request", first_run)
-    assert ended and first_run.index(ended[0]) < first_run.index(f"requeueing job {job_id}")
+    job_end = re.search(r"the job ended \(exit 0\) (\d+)s after the stop request", first_run)
+    assert job_end and first_run.index(job_end[0]) < first_run.index(f"requeueing job {job_id}")
     assert is_complete(ckpt / f"global_step{stopped_at}")  # marked as any save is
     # the rerun removed the request that stopped the first run, and resumed from its save
     request = run_dir / "ckpt" / "DRPO_STOP_REQUESTED"
