@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The GPU environment on a CUDA node, in the one order that works (docs/gpu.md, section 1):
 #   bash scripts/install_gpu.sh [--venv DIR] [--dry-run]      (or: make gpu-env)
-# `pip install -r requirements.txt` alone fails: flash-attn's sdist imports torch at build time,
-# which pip's build isolation hides. So: torch first, flash-attn without build isolation (a
-# prebuilt release wheel when one matches, else a 25-60 min source build), the rest pinned
-# around them, this package, DeepSpeed's FusedAdam compiled once, and an import check.
-# Environment: PYTHON (default python3), TORCH_INDEX_URL (a PyTorch CUDA index, e.g.
-# https://download.pytorch.org/whl/cu128; default PyPI's CUDA build), MAX_JOBS (parallel
-# compile jobs of a flash-attn source build; about 9 GB of memory each), NVIDIA_SMI and NVCC
-# (the tools to probe; default from PATH).
+# torch 2.13.0 and vLLM 0.29.0 from PyPI are CUDA 13 builds: the node needs an NVIDIA driver
+# >= 580 and a CUDA 13 toolkit (nvcc), both checked before anything is installed. Then torch
+# and vLLM, each loaded on the GPU; flash-attn without build isolation (its sdist imports torch
+# at build time, which pip's isolation hides): a prebuilt release wheel when one matches, else
+# a source build sized for this job; the rest pinned around them; this package; DeepSpeed's
+# FusedAdam compiled once; an import check that runs flash-attn's and vLLM's kernels.
+# Environment: PYTHON (default python3), NVIDIA_SMI and NVCC (the tools to probe; nvcc found
+# as torch finds it: CUDA_HOME, PATH, /usr/local/cuda), MAX_JOBS and FLASH_ATTN_CUDA_ARCHS (a
+# flash-attn source build's; default from this job's CPUs and memory and the GPUs present).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -18,21 +19,22 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --venv) VENV=$2; shift 2 ;;
     --dry-run) DRY_RUN=1; shift ;;
-    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
     *) echo "install_gpu.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
 
 PYTHON=${PYTHON:-python3}
-NVIDIA_SMI=${NVIDIA_SMI:-nvidia-smi}
-NVCC=${NVCC:-nvcc}
 TORCH=$(grep -E '^torch==' requirements.txt)
+VLLM=$(grep -E '^vllm==' requirements.txt)
 FLASH_ATTN=$(grep -E '^flash-attn==' requirements.txt)
 PY="$VENV/bin/python"
 PIP=("$PY" -m pip --disable-pip-version-check)
+PINS=$(mktemp)
+trap 'rm -f "$PINS"' EXIT
+# every pin of requirements.txt without its extras (pip refuses extras in constraints)
+grep -E '^[A-Za-z0-9_.-]+(\[[^]]*\])?==' requirements.txt | sed 's/\[[^]]*\]//' >"$PINS"
 STEP=0
-
-die() { echo "install_gpu.sh: $*" >&2; exit 1; }
 
 step() {
   STEP=$((STEP + 1))
@@ -46,18 +48,16 @@ run() {
 }
 
 check_cuda() {
-  step "CUDA on this node: $NVIDIA_SMI lists a GPU, $NVCC (the toolkit) is there"
+  step "CUDA on this node: driver >= 580, GPUs flash-attn runs on, nvcc of CUDA 13"
+  run "$PYTHON" scripts/gpu_install.py preflight || exit 1
+  # the checked nvcc as CUDA_HOME, MAX_JOBS and FLASH_ATTN_CUDA_ARCHS for every build below
+  echo "   \$ $PYTHON scripts/gpu_install.py build-env   (exported)"
   [ "$DRY_RUN" = 1 ] && return
-  command -v "$NVIDIA_SMI" >/dev/null \
-    || die "no NVIDIA driver: '$NVIDIA_SMI' not found. Run this on a GPU node (e.g. inside srun --gres=gpu:1) with the driver installed."
-  local gpus
-  gpus=$("$NVIDIA_SMI" --query-gpu=name,driver_version --format=csv,noheader 2>&1) \
-    || die "nvidia-smi failed, the driver cannot see a GPU: $gpus"
-  [ -n "$gpus" ] || die "nvidia-smi lists no GPU on this node"
-  echo "   GPUs: ${gpus//$'\n'/; }"
-  command -v "$NVCC" >/dev/null \
-    || die "no CUDA toolkit: '$NVCC' not found (DeepSpeed's FusedAdam, and flash-attn when no wheel matches, compile with it). Load it (e.g. module load cuda/12.8) or put \$CUDA_HOME/bin on PATH."
-  echo "   $("$NVCC" --version | tail -1)"
+  local settings line
+  settings=$("$PYTHON" scripts/gpu_install.py build-env) || exit 1
+  while IFS= read -r line; do
+    export "${line?}"
+  done <<<"$settings"
 }
 
 make_venv() {
@@ -67,9 +67,15 @@ make_venv() {
 }
 
 install_torch() {
-  step "$TORCH first (the CUDA build), then torch must see a GPU"
-  run "${PIP[@]}" install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "$TORCH"
-  run "$PY" scripts/gpu_install.py torch-cuda
+  step "$TORCH first (PyPI's CUDA 13 build), then torch must see a GPU and match nvcc"
+  run "${PIP[@]}" install "$TORCH"
+  run "$PY" scripts/gpu_install.py torch-cuda || exit 1
+}
+
+install_vllm() {
+  step "$VLLM (its CUDA 13 build, pinned), then its CUDA kernels must run on this GPU"
+  run "${PIP[@]}" install -c "$PINS" "$VLLM"
+  run "$PY" scripts/gpu_install.py vllm-cuda || exit 1
 }
 
 install_flash_attn() {
@@ -86,18 +92,15 @@ install_flash_attn() {
   if [ "${choice%% *}" = wheel ]; then
     run "${PIP[@]}" install --no-deps "${choice#wheel }"
   else
-    echo "   no matching wheel: source build, 25-60 min (MAX_JOBS=${MAX_JOBS:-auto})"
-    run "${PIP[@]}" install --no-build-isolation --no-deps "$FLASH_ATTN"
+    echo "   source build, 25-60 min: MAX_JOBS=${MAX_JOBS:-?} FLASH_ATTN_CUDA_ARCHS=${FLASH_ATTN_CUDA_ARCHS:-?} CUDA_HOME=${CUDA_HOME:-?}"
+    # FORCE_BUILD: no second wheel guess (flash-attn 2.8.3's own maps every CUDA >= 12 to cu12)
+    run env FLASH_ATTENTION_FORCE_BUILD=TRUE "${PIP[@]}" install --no-build-isolation --no-deps "$FLASH_ATTN"
   fi
 }
 
 install_rest() {
-  step "the rest of requirements.txt, with $TORCH and $FLASH_ATTN held as installed"
-  local pins
-  pins=$(mktemp)
-  printf '%s\n%s\n' "$TORCH" "$FLASH_ATTN" >"$pins"
-  run env DS_BUILD_OPS=0 "${PIP[@]}" install -c "$pins" -r requirements.txt
-  rm -f "$pins"
+  step "the rest of requirements.txt, with every pin held (torch, vLLM, flash-attn as installed)"
+  run env DS_BUILD_OPS=0 "${PIP[@]}" install -c "$PINS" -r requirements.txt
 }
 
 install_project() {
@@ -111,13 +114,14 @@ fused_adam() {
 }
 
 import_check() {
-  step "import check of every component (versions, and what is missing)"
+  step "import check of every component (versions, kernels run, and what is missing)"
   run "$PY" scripts/gpu_install.py check
 }
 
 check_cuda
 make_venv
 install_torch
+install_vllm
 install_flash_attn
 install_rest
 install_project
