@@ -14,7 +14,9 @@ Checks (``--checks`` picks some; docs/gpu.md says what each means and what to do
              on a GPU: ZeRO-3, bf16, flash-attention 2 with packing, the hybrid engine
              (colocated, vLLM and DeepSpeed sleep). Each must exit 0 having trained on
              prompts with both right and wrong answers, with finite objective and KL, vLLM
-             sampling the actor's weights, a checkpoint and a final model.
+             sampling the actor's weights, a checkpoint and a final model. Then a ``TIME``
+             line: each step's seconds and the last step's share per phase, from the
+             run's tensorboard (OpenRLHF's train/timing/*).
 Without a GPU the same checks run on the CPU path (vLLM CPU, gloo, sdpa, ZeRO-2), which is
 how CI runs the script; ``env`` then only reports.
 
@@ -50,6 +52,7 @@ RUN_TIMEOUT_S = 1200
 class Outcome:
     passed: bool
     detail: str
+    timing: str = ""  # a pipeline run's step times and phase shares
 
 
 @dataclass(frozen=True)
@@ -174,6 +177,33 @@ def same_weights(trained: dict[str, torch.Tensor], base: dict[str, torch.Tensor]
     return all(torch.equal(trained[k], base[k].to(trained[k].dtype)) for k in base)
 
 
+# OpenRLHF 0.11.2 times each step's phases (PPOTrainer.fit and train_step) and logs them as
+# train/timing/<phase>, with step_total their sum. Grading has no phase of its own: the vLLM
+# engines' agent calls the reward function on each response as it finishes, inside generation.
+PHASES = {
+    "generation": "generation (with grading)",
+    "make_experience": "log-probs",
+    "ppo_train": "actor update",
+    "broadcast": "weight sync",
+}
+
+
+def step_timing(logged: dict[str, dict[int, float]]) -> str:
+    """Each step's seconds and the last step's share per phase (the first step also pays
+    for warm-up: CUDA graphs, kernel compilation, allocator growth)."""
+    totals = logged.get("train/timing/step_total", {})
+    if not totals:
+        return "no step timing logged (train/timing/step_total missing)"
+    last = max(totals)
+    steps = ", ".join(f"step {step} {seconds:.1f} s" for step, seconds in sorted(totals.items()))
+    shares = []
+    for phase, label in PHASES.items():
+        seconds = logged.get(f"train/timing/{phase}", {}).get(last)
+        share = "not logged" if seconds is None else f"{seconds / totals[last]:.0%}"
+        shares.append(f"{label} {share}")
+    return f"{steps}; step {last}: {', '.join(shares)}"
+
+
 def trained_outcome(out: Path, base: Path) -> Outcome:
     """What a run must show: real updates from mixed groups, finite numbers, vLLM sampling the
     actor's weights, the step-2 checkpoint and a final model that moved."""
@@ -200,12 +230,12 @@ def trained_outcome(out: Path, base: Path) -> Outcome:
         problems.append("no final model")
     elif same_weights(load_file(final), load_file(base / "model.safetensors")):
         problems.append("the final model equals the base")
+    timing = step_timing(logged)
     if problems:
-        return Outcome(False, "; ".join(problems))
+        return Outcome(False, "; ".join(problems), timing)
     fraction = max(valid.values())
-    return Outcome(
-        True, f"2 steps, up to {fraction:.0%} of prompts mixed, gap {max(gaps.values()):.3g}"
-    )
+    detail = f"2 steps, up to {fraction:.0%} of prompts mixed, gap {max(gaps.values()):.3g}"
+    return Outcome(True, detail, timing)
 
 
 def logged_run(command: list[str], out: Path, judge: Callable[[], Outcome]) -> Outcome:
@@ -220,7 +250,7 @@ def logged_run(command: list[str], out: Path, judge: Callable[[], Outcome]) -> O
         tail = log.read_text().splitlines()[-5:]
         return Outcome(False, f"exit {done.returncode} after {seconds:.0f} s ({log}): {tail}")
     outcome = judge()
-    return Outcome(outcome.passed, f"{outcome.detail} ({seconds:.0f} s, log {log})")
+    return Outcome(outcome.passed, f"{outcome.detail} ({seconds:.0f} s, log {log})", outcome.timing)
 
 
 def pipeline_check(mode: str) -> Callable[[Setup], Outcome]:
@@ -317,6 +347,8 @@ def run_checks(names: list[str], setup: Setup) -> dict[str, Outcome]:
                 outcome = Outcome(False, f"{type(error).__name__}: {error}")
             results[name] = outcome
             print(f"{'PASS' if outcome.passed else 'FAIL'} {name}: {outcome.detail}", flush=True)
+            if outcome.timing:
+                print(f"TIME {name}: {outcome.timing}", flush=True)
     finally:
         if "RAY_ADDRESS" in os.environ:
             import ray

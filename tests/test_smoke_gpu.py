@@ -4,6 +4,7 @@ when what they check is broken."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -55,6 +56,15 @@ def test_each_mode_is_a_valid_run_of_that_update_mode(mode, gpus, model_and_data
     assert value_of(command, "--ds.zero_stage") == ("3" if gpus else "2")
 
 
+# seconds per phase at steps 1 and 2, as OpenRLHF logs them (step_total: their sum)
+TIMING = {
+    "generation": (30.0, 12.0),
+    "make_experience": (5.0, 3.0),
+    "ppo_train": (14.0, 4.5),
+    "broadcast": (1.0, 0.5),
+}
+
+
 def finished_run(out: Path, final: dict[str, torch.Tensor]) -> None:
     """What a healthy 2-step run leaves (logs, checkpoint), with ``final`` as its model."""
     from safetensors.torch import save_file
@@ -64,6 +74,10 @@ def finished_run(out: Path, final: dict[str, torch.Tensor]) -> None:
         for step in (1, 2):
             for tag in ("valid_prompt_fraction", "objective", "kl", "rollout_logprob_gap"):
                 writer.add_scalar(f"train/drpo/{tag}", 0.01, step)
+            for phase, seconds in TIMING.items():
+                writer.add_scalar(f"train/timing/{phase}", seconds[step - 1], step)
+            total = sum(seconds[step - 1] for seconds in TIMING.values())
+            writer.add_scalar("train/timing/step_total", total, step)
     (out / "ckpt" / "_actor" / "global_step2").mkdir(parents=True)
     (out / "model").mkdir()
     save_file(final, out / "model" / "model.safetensors")
@@ -82,6 +96,39 @@ def test_a_run_that_saved_its_base_in_bf16_did_not_train(tmp_path):
     assert not untrained.passed and "the final model equals the base" in untrained.detail
     finished_run(tmp_path / "trained", {"w": (base["w"] + 0.01).to(torch.bfloat16)})
     assert smoke_gpu.trained_outcome(tmp_path / "trained", tmp_path / "base").passed
+
+
+def test_a_run_reports_its_step_times_and_each_phase_share(tmp_path):
+    """Read back from the run's own tensorboard log: each step's time, then the last step's
+    share per phase (20 s: 12 generating and grading, 3 log-probs, 4.5 updating, 0.5 sync)."""
+    from safetensors.torch import save_file
+
+    base = {"w": torch.zeros(4)}
+    (tmp_path / "base").mkdir()
+    save_file(base, tmp_path / "base" / "model.safetensors")
+    finished_run(tmp_path / "run", {"w": torch.ones(4)})
+    outcome = smoke_gpu.trained_outcome(tmp_path / "run", tmp_path / "base")
+    assert outcome.passed
+    assert outcome.timing == (
+        "step 1 50.0 s, step 2 20.0 s; step 2: generation (with grading) 60%, log-probs 15%, "
+        "actor update 22%, weight sync 2%"
+    )
+
+
+def test_a_run_without_timing_says_so_and_missing_phases_are_named():
+    assert "no step timing logged" in smoke_gpu.step_timing({"train/drpo/kl": {1: 0.0}})
+    logged = {"train/timing/step_total": {1: 8.0}, "train/timing/generation": {1: 2.0}}
+    timing = smoke_gpu.step_timing(logged)
+    assert timing.startswith("step 1 8.0 s; step 1: generation (with grading) 25%")
+    assert "actor update not logged" in timing
+
+
+def test_the_timing_is_printed_after_the_check(tmp_path, monkeypatch, capsys):
+    outcome = smoke_gpu.Outcome(True, "trained", "step 1 2.0 s; step 1: generation 50%")
+    monkeypatch.setitem(smoke_gpu.CHECKS, "env", lambda setup: outcome)
+    assert smoke_gpu.main(["--work", str(tmp_path), "--checks", "env"]) == 0
+    out = capsys.readouterr().out
+    assert "PASS env: trained\nTIME env: step 1 2.0 s; step 1: generation 50%\n" in out
 
 
 @pytest.mark.parametrize("gpus", [0, 1])
@@ -184,6 +231,10 @@ def test_cpu_smoke_trains_and_its_check_catches_a_run_that_did_not(tmp_path):
         "penalty",
     }
     assert "PASS penalty" in done.stdout and "3 PASS, 0 FAIL" in done.stdout
+    timing = re.search(
+        r"^TIME penalty: step 1 [\d.]+ s, step 2 [\d.]+ s; step 2: (.*)$", done.stdout, re.M
+    )
+    assert timing and "not logged" not in timing.group(1), done.stdout[-3000:]
     run = tmp_path / "run-penalty"
     untrained = smoke_gpu.trained_outcome(run, run / "model")
     assert not untrained.passed and "the final model equals the base" in untrained.detail
