@@ -80,6 +80,13 @@ PRECISION = "relative precision"  # six decimals cannot tell 8.2e-19 from 1e-7
 DECIMAL_COMMA = "decimal comma"  # math-verify reads 3,25 as the set {3, 25}
 WORDS_AS_NUMBER = "words read as a number"  # "3 apples and 2 pears" is not 3
 NO_BOX = "no boxed answer"  # the authors' rule: the last box, none is 0
+# issue 37
+WORDS_BETWEEN_BOXES = "boxes with words between"  # math-verify takes the last $...$ only
+ARITHMETIC_SIDE = "arithmetic left side"  # 3^{4} = 81 is parsed as a truth value
+SYSTEM_ROWS = "system in rows"  # math-verify cannot parse \begin{cases}
+TRAILING_BACKSLASH = "trailing backslash"  # \boxed{42\} parses to nothing
+UNIT_WORDS = "unit glued or in words"  # 9weeks, 15 cubic centimeters: a product of symbols
+NAMED_INTERVAL = "variable before an interval"  # s(1,7] is a function value to math-verify
 NO_THINK_END = "no </think>"  # a response cut at the length limit
 EXPLAINED: dict[tuple[str, str], str] = {
     ("6.43 \\times 10^{16}", "6.43e16"): E_NOTATION,
@@ -97,6 +104,19 @@ EXPLAINED: dict[tuple[str, str], str] = {
     ("35", "So the answer is 35."): NO_BOX,
     ("18", "Final answer: 18"): NO_BOX,
     ("35", "(truncated)"): NO_THINK_END,
+    ("\\boxed{6} red and \\boxed{4} blue", "$\\boxed{6}$ red and $\\boxed{4}$ blue"): (
+        WORDS_BETWEEN_BOXES
+    ),
+    ("3^{4} = 81", "81"): ARITHMETIC_SIDE,
+    ("\\begin{cases} 2a+b=7 \\\\ a-b=2 \\end{cases}", "2a+b=7, a-b=2"): SYSTEM_ROWS,
+    ("\\begin{cases} 2a+b=7 \\\\ a-b=2 \\end{cases}", "a-b=2, 2a+b=7"): SYSTEM_ROWS,
+    ("42\\", "42"): TRAILING_BACKSLASH,
+    ("9weeks", "9"): UNIT_WORDS,
+    ("9weeks", "9 \\text{ weeks}"): UNIT_WORDS,
+    ("15 cubic centimeters", "15"): UNIT_WORDS,
+    ("15 cubic centimeters", "15 \\text{ cm}^3"): UNIT_WORDS,
+    ("s(1,7]", "(1,7]"): NAMED_INTERVAL,
+    ("s(1,7]", "s \\in (1, 7]"): NAMED_INTERVAL,
 }
 
 
@@ -114,12 +134,18 @@ def test_corpus_is_large_and_two_sided():
 
 def test_fast_paths_never_say_wrong():
     """In the caller's thread a response is only ever accepted, sent to a grader process,
-    or refused for a documented reason (no box, no ``</think>``...), never judged wrong."""
+    or refused for a documented reason (no box, no ``</think>``...), never judged wrong
+    except for another unit than the label's (veto c)."""
     documented = {"no_think_end", "no_boxed", "unparsable", "too_long", "bad_label"}
-    outcomes = [prepare(p.response, p.label) for p in pairs()]
+    items = pairs()
+    outcomes = [prepare(p.response, p.label) for p in items]
     early = Counter(o.reason for o in outcomes if isinstance(o, GradeResult))
-    assert set(early) <= {"ok"} | documented
+    assert set(early) <= {"ok", "wrong"} | documented
     assert early["ok"] and len(outcomes) > sum(early.values())  # both paths are exercised
+    vetoed = {
+        p.key for p, o in zip(items, outcomes, strict=True) if o == GradeResult(False, "wrong")
+    }
+    assert vetoed == {("9weeks", "9 \\text{ days}"), ("15 cubic centimeters", "15 \\text{ m}")}
 
 
 def test_differences_from_plain_math_verify_are_all_explained(corpus_rows):

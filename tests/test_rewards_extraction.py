@@ -58,6 +58,22 @@ def test_final_boxes(text, expected):
     assert final_boxes(text) == expected
 
 
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("\\boxed{1} apples and \\boxed{2} pears", ["1", "2"]),  # words with "and"
+        ("\\boxed{1}. So \\boxed{2}", ["1", "2"]),  # any gap under 10 characters
+        ("x is $\\boxed{1}$; then y is $\\boxed{2}$", ["1", "2"]),
+        ("\\boxed{1} is what we first found, then \\boxed{2}", ["1", "2"]),
+        ("\\boxed{3} is what we first found, then \\boxed{3}", ["3"]),  # same content
+        ("\\boxed{1} is what we first found but it fails: \\boxed{2}", ["2"]),  # no separator
+        ("\\boxed{1}" + "x" * 70 + ", \\boxed{2}", ["2"]),  # too far apart
+    ],
+)
+def test_final_boxes_loose_is_math_verify_grouping(text, expected):
+    assert final_boxes(text, loose=True) == expected
+
+
 def test_final_boxes_is_bounded():
     text = "\\boxed{1}, " * 100_000 + "\\boxed{2}"
     parts = final_boxes(text)
@@ -102,6 +118,10 @@ def test_answer_part(response, require, expected):
         ("", None),
         ("   ", None),
         ("$$", None),
+        ("\\boxed{1}\\boxed{2}", "1, 2"),  # several boxes: the list of their contents
+        ("\\boxed{2}, \\boxed{3}", "2, 3"),
+        ("$\\boxed{5}$ or $\\boxed{5}$", "5"),
+        ("\\boxed{1} apples and \\boxed{2} pears", "1, 2"),
     ],
 )
 def test_normalize_label(label, expected):

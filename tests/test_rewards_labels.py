@@ -121,6 +121,88 @@ CASES = {
         ("SRAC=LRAC", "LRAC=SRAC", True),
         ("abc", "ab", False),
     ],
+    # issue 37: forms graded worse than plain math-verify, and their near misses
+    "labels holding several boxes": [
+        ("\\boxed{4}\\boxed{9}", "4, 9", True),
+        ("\\boxed{4}\\boxed{9}", "\\{9, 4\\}", True),
+        ("$\\boxed{-1}, \\boxed{6}$", "-1, 6", True),
+        ("\\boxed{3} cats and \\boxed{5} dogs", "3, 5", True),
+        ("\\boxed{p = 3}, \\boxed{q = 8}", "p=3, q=8", True),
+        ("\\boxed{4}\\boxed{9}", "9", False),  # a member missing
+        ("\\boxed{4}\\boxed{9}", "4, 9, 16", False),  # an extra member
+        ("\\boxed{3} cats and \\boxed{5} dogs", "3, 6", False),
+        ("\\boxed{p = 3}, \\boxed{q = 8}", "p = 3", False),
+    ],
+    "chains and equations": [
+        ("u = v = 0", "0", True),
+        ("u = v = 0", "u=v=0", True),
+        ("g(t) = 5t - 1", "5t-1", True),
+        ("h^{-1}(x) = \\frac{x}{3}", "\\frac{x}{3}", True),
+        ("3^{4} = 81", "81", True),
+        ("T = \\frac{1}{2} \\cdot 6 \\cdot 7 = 21", "21", True),
+        ("u = v = 0", "1", False),
+        ("g(t) = 5t - 1", "5t+1", False),
+        ("3^{4} = 81", "82", False),
+    ],
+    "systems of equations": [
+        ("\\begin{cases} 2a+b=7 \\\\ a-b=2 \\end{cases}", "2a+b=7, a-b=2", True),
+        ("\\left\\{\\begin{array}{l} a=3 \\\\ b=1 \\end{array}\\right.", "a=3, b=1", True),
+        ("a=3 \\\\ b=1", "b = 1, a = 3", True),
+        ("\\begin{cases} 2a+b=7 \\\\ a-b=2 \\end{cases}", "2a+b=7", False),
+        ("\\begin{cases} 2a+b=7 \\\\ a-b=2 \\end{cases}", "2a+b=7, a-b=3", False),
+        ("a=3 \\\\ b=1", "a=3, b=2", False),
+    ],
+    "label clutter": [
+        ("42\\", "42", True),
+        ("\\frac{2}{9}\\", "\\frac{2}{9}", True),
+        ("9weeks", "9", True),
+        ("9weeks", "9 \\text{ weeks}", True),
+        ("30cm^2", "30", True),
+        ("15 cubic centimeters", "15", True),
+        ("4 full boxes", "4", True),
+        ("42\\", "24", False),
+        ("9weeks", "10", False),
+        ("15 cubic centimeters", "16", False),
+        ("2ab", "2", False),  # a product of letters, not a unit
+        ("3 \\text{ apples and } 2 \\text{ pears}", "2", False),
+    ],
+    "another unit": [
+        ("9weeks", "9 \\text{ days}", False),
+        ("15 \\text{ cm}", "15 \\text{ m}", False),
+        ("6 square meters", "6 \\text{ ft}^2", False),
+        ("15 cubic centimeters", "15 \\text{ m}", False),
+        ("15 cubic centimeters", "15 \\text{ cm}^3", True),
+        ("6 square meters", "6 \\text{ m}^2", True),
+        ("15 \\text{ cm}", "15 \\text{ centimeters}", True),
+        ("15 \\text{ cm}", "15", True),
+    ],
+    "only a bare name's value stands alone": [
+        ("\\lambda = 500", "500", True),
+        ("x = 5", "x = 5", True),
+        ("\\tan(\\theta) = 2", "\\tan(\\theta) = 2", True),
+        ("\\tan(\\theta) = 2", "\\sin(\\theta) = 2", False),  # another left-hand side
+        ("x = 5", "y = 5", False),
+        ("f(x) = 2x", "g(x) = 3x", False),
+        ("r = 4", "r = 5", False),
+    ],
+    "a variable before an interval": [
+        ("s(1,7]", "(1,7]", True),
+        ("s(1,7]", "s \\in (1, 7]", True),
+        ("y[-2,5)", "[-2,5)", True),
+        ("y \\in [-2, 5)", "[-2,5)", True),
+        ("[-2, 5)", "y \\in [-2,5)", True),
+        ("s(1,7]", "[1,7]", False),
+        ("s(1,7]", "(1,7)", False),
+        ("P(1,7)", "(1,7)", False),  # a point, not an interval
+    ],
+    "subscripts with and without braces": [
+        ("F_{1},F_{2}", "F_1, F_2", True),
+        ("F_1,F_2", "F_{1}, F_{2}", True),
+        ("y_{1}, y_{2}", "y_1,y_2", True),
+        ("F_{1},F_{2}", "F_1, F_3", False),
+        ("F_{1},F_{2}", "F_1", False),
+        ("F_{12}", "F_1 2", False),
+    ],
 }
 TABLE = [(cls, *case) for cls, cases in CASES.items() for case in cases]
 
@@ -160,6 +242,12 @@ SEVERAL_BOXES = [
     ("\\{1,2,3\\}", "$\\boxed{1},\\boxed{2},\\boxed{3},\\boxed{4}$", False),
     ("3", "$\\boxed{2}, \\boxed{3}$", False),
     ("k = 45, n = 2", "$\\boxed{k = 45}$", False),
+    # issue 37: words between the boxes of a multi-part answer, as math-verify groups them
+    ("4, 9", "We get $\\boxed{4}$ red and $\\boxed{9}$ blue.", True),
+    ("(4, 9)", "so $a = \\boxed{4}$ and $b = \\boxed{9}$", True),
+    ("\\boxed{4}\\boxed{9}", "We get $\\boxed{4}$ red and $\\boxed{9}$ blue.", True),
+    ("4, 9", "We get $\\boxed{4}$ red and $\\boxed{8}$ blue.", False),
+    ("4, 9", "We get $\\boxed{4}$ red, $\\boxed{9}$ blue and $\\boxed{1}$ green.", False),
 ]
 
 

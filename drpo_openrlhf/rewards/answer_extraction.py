@@ -177,10 +177,36 @@ _GAP = re.compile(
 )
 
 
-def final_boxes(text: str) -> list[str] | None:
+# math-verify's own rule for boxes of one answer (``extract_boxed_content``): any gap under
+# 10 characters, or under 70 holding "and", "or", a comma or a semicolon between different
+# contents ("there are \\boxed{1} apples and \\boxed{2} pears").
+_LOOSE_SHORT_GAP = 10
+_LOOSE_MAX_GAP = 70
+_LOOSE_SEPARATOR = re.compile(r"\b(?:and|or)\b|[,;]")
+
+
+def _chained(
+    text: str, gap_start: int, gap_end: int, content: str, later: str, loose: bool
+) -> bool:
+    """Whether a box ending at ``gap_start`` belongs to the same answer as the box starting
+    at ``gap_end`` (``content`` and ``later`` are their contents)."""
+    gap = gap_end - gap_start
+    if not loose:
+        return gap <= _MAX_GAP and bool(_GAP.fullmatch(text, gap_start, gap_end))
+    if gap < _LOOSE_SHORT_GAP:
+        return True
+    return (
+        gap < _LOOSE_MAX_GAP
+        and content.strip() != later.strip()
+        and bool(_LOOSE_SEPARATOR.search(text, gap_start, gap_end))
+    )
+
+
+def final_boxes(text: str, loose: bool = False) -> list[str] | None:
     """The boxed answers of the final answer, in order: the last well-formed box and the
-    boxes chained right before it (separated only by what ``_GAP`` allows); ``None`` when
-    there is no box. A multi-part answer is often written one box per part."""
+    boxes chained right before it (separated only by what ``_GAP`` allows; with ``loose``,
+    by math-verify's wider rule, words included); ``None`` when there is no box. A
+    multi-part answer is often written one box per part."""
     box = _last_box(text, len(text))
     if box is None:
         return None
@@ -188,9 +214,7 @@ def final_boxes(text: str) -> list[str] | None:
     parts = [content]
     while len(parts) < MAX_FINAL_BOXES:
         previous = _last_box(text, start)
-        if previous is None or start - previous[1] > _MAX_GAP:
-            break
-        if not _GAP.fullmatch(text, previous[1], start):
+        if previous is None or not _chained(text, previous[1], start, previous[2], content, loose):
             break
         start, _, content = previous
         parts.append(content)
@@ -201,7 +225,9 @@ _MATH_DELIMS = (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"))
 
 
 def normalize_label(label: object) -> str | None:
-    """The gold answer as bare LaTeX: boxed labels are unboxed, ``$...$`` is stripped.
+    """The gold answer as bare LaTeX: boxed labels are unboxed, ``$...$`` is stripped. A
+    label holding several boxes of one answer (``\\boxed{1}\\boxed{2}``, ``\\boxed{1} apples
+    and \\boxed{2} pears``, as math-verify groups them) is the list of their contents.
 
     Returns ``None`` for a missing or empty label.
     """
@@ -210,9 +236,9 @@ def normalize_label(label: object) -> str | None:
         return None
     text = text.strip()
     if "\\boxed" in text or "\\fbox" in text:
-        boxed = last_boxed(text)
-        if boxed is not None:
-            text = boxed.strip()
+        boxes = final_boxes(text, loose=True)
+        if boxes is not None:
+            text = ", ".join(dict.fromkeys(b.strip() for b in boxes if b.strip()))
     for left, right in _MATH_DELIMS:
         if len(text) >= len(left) + len(right) and text.startswith(left) and text.endswith(right):
             text = text[len(left) : len(text) - len(right)].strip()

@@ -48,9 +48,11 @@ from drpo_openrlhf.rewards.label_forms import (
     decimal_comma,
     decode_alternatives,
     exact_number,
-    gold_forms,
+    gold_parts,
     match_key,
+    other_unit,
     text_key,
+    unit_name,
 )
 
 DEFAULT_TIMEOUT_S = 5.0
@@ -154,26 +156,35 @@ def env_timeout_s() -> float:
 
 @dataclass(frozen=True)
 class _Gold:
-    """A label's canonical answers, its answers as written (for plain math-verify) and the
-    keys of the text comparisons (cached per label: the responses of one group share it)."""
+    """A label's canonical answers, the values it also accepts alone from an answer that is
+    not an equation, its answers as written (for plain math-verify) and the keys of the text
+    comparisons (cached per label: the responses of one group share it)."""
 
     math: tuple[str, ...]
+    values: tuple[str, ...]
     text: tuple[str, ...]
     plain: tuple[str, ...]
     match_keys: frozenset[str]
     text_keys: frozenset[str]
     numbers: frozenset[Fraction]
+    units: frozenset[str]
+    """The units of the label's answers, when each has one the table knows (else empty)."""
 
 
 def _make_gold(label: object) -> _Gold:
-    math_golds, text_golds = gold_forms(label)
+    math_golds, values, text_golds = gold_parts(label)
+    plain = decode_alternatives(label)
+    units = [unit_name(answer) for answer in plain]
+    # a value's key cannot match an equation's (no "="), so the fast paths may use values
     return _Gold(
         tuple(math_golds),
+        tuple(values),
         tuple(text_golds),
-        tuple(decode_alternatives(label)),
-        frozenset(match_key(g) for g in math_golds + text_golds),
+        tuple(plain),
+        frozenset(match_key(g) for g in math_golds + values + text_golds),
         frozenset(text_key(g) for g in text_golds),
-        frozenset(n for n in map(exact_number, math_golds) if n is not None),
+        frozenset(n for n in map(exact_number, math_golds + values) if n is not None),
+        frozenset(units) if all(units) else frozenset(),  # type: ignore[arg-type]
     )
 
 
@@ -208,6 +219,8 @@ def prepare(response: object, label: object, require_think_end: bool = True) -> 
         return GradeResult(False, "too_long")
     if any(len(g) > MAX_ANSWER_CHARS for g in gold.math + gold.text + gold.plain):
         return GradeResult(False, "bad_label")
+    if len(parts) == 1 and other_unit(gold.units, parts[0]):
+        return GradeResult(False, "wrong")  # "12 hours" for "12days" (veto c, docs/rewards.md)
     canonical_parts = tuple(canonical(p) for p in parts)
     if ",".join(match_key(p) for p in canonical_parts) in gold.match_keys:
         return OK
@@ -219,7 +232,15 @@ def prepare(response: object, label: object, require_think_end: bool = True) -> 
     dotted = decimal_comma(canonical_parts[0]) if len(parts) == 1 else None
     if dotted is not None:
         readings.append((dotted,))
-    return (gold.math + gold.text, gold.plain), (tuple(readings), parts)
+    # math-verify's wider grouping: boxes with words between them (a multi-part label)
+    loose = tuple(
+        dict.fromkeys(p.strip() for p in final_boxes(answer, loose=True) or () if p.strip())
+    )
+    if len(loose) > len(parts) and sum(len(p) for p in loose) <= MAX_ANSWER_CHARS:
+        readings.append(tuple(canonical(p) for p in loose))
+    equation = any("=" in p for p in canonical_parts)
+    golds = gold.math + (() if equation else gold.values) + gold.text
+    return (golds, gold.plain), (tuple(readings), parts)
 
 
 def grade_responses(
@@ -250,7 +271,8 @@ def grade_responses(
         try:
             prepared = prepare(response, label, require_think_end)
             if not isinstance(prepared, GradeResult):
-                prepared = _verdicts.find_or_submit(prepared, not _gold(label).math, timeout_s)
+                text_only = not (_gold(label).math or _gold(label).values)
+                prepared = _verdicts.find_or_submit(prepared, text_only, timeout_s)
         except Exception:
             prepared = GradeResult(False, "error")
         if isinstance(prepared, GradeResult):

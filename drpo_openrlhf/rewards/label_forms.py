@@ -39,10 +39,41 @@ _POW10 = re.compile(r"10\s*\^\s*(?:\{\s*([+-]?\d+)\s*\}|([+-]?\d))")
 _TEXT_GROUP = r"\\(?:text|textnormal|mbox|mathrm|textrm|rm)\s*\{[^{}]*\}"
 _EXPONENT = r"(?:\s*\^\s*(?:\{[^{}]*\}|-?\d))?"
 _UNIT_TAIL = re.compile(rf"(?:\s*{_TEXT_GROUP}{_EXPONENT})+\s*$")
-_UNIT_WORD = r"(?:[A-Za-z]{2,5}|[mgsKJNWVAL])"  # one-letter words are variables, but SI units
+_UNIT_WORD = r"(?:[A-Za-z]{2,}|[mgsKJNWVAL])"  # one-letter words are variables, but SI units
 _PLAIN_UNIT_TAIL = re.compile(rf"(?:\s+{_UNIT_WORD}{_EXPONENT}(?:\s*/\s*{_UNIT_WORD})?)+\s*$")
-_NAME = r"(?:[A-Za-z]|\\[A-Za-z]+)(?:_\s*(?:\{[A-Za-z0-9,\\ ]+\}|[A-Za-z0-9]))?'*"
-_NAME_EQ = re.compile(rf"\s*{_NAME}(?:\s*\(\s*[A-Za-z]\s*\))?\s*=\s*([^=<>]+)")
+# A unit glued to its number ("12days", "5cm^2"): only these words, since "2ab" is a product.
+_GLUED_UNIT = re.compile(
+    rf"({_NUMBER})(?:(?:milli|centi|kilo)?(?:meter|metre|gram|liter|litre)s?|[mck]m|kg|mg|ml"
+    r"|days?|hours?|hrs?|minutes?|mins?|seconds?|secs?|weeks?|months?|years?|yrs?"
+    r"|miles?|mph|feet|foot|ft|inch(?:es)?|yards?|pounds?|lbs?|ounces?|oz|gallons?|acres?"
+    rf"|dollars?|cents?|degrees?|units?|people|persons?|times|ways){_EXPONENT}"
+)
+# Names whose value a ``name = value`` label also accepts alone: a letter or Greek letter
+# with a subscript and primes, or a function of variables named by one letter (``f(x)``,
+# ``f^{-1}(x)``); never ``\sin(x)``, whose argument is part of the answer.
+_GREEK = (
+    r"\\(?:alpha|beta|gamma|delta|(?:var)?epsilon|zeta|eta|(?:var)?theta|iota|kappa|lambda|mu"
+    r"|nu|xi|(?:var)?pi|(?:var)?rho|(?:var)?sigma|tau|upsilon|(?:var)?phi|chi|psi|omega"
+    r"|Gamma|Delta|Theta|Lambda|Xi|Pi|Sigma|Upsilon|Phi|Psi|Omega)(?![A-Za-z])"
+)
+_NAME = re.compile(
+    rf"(?:[A-Za-z]|{_GREEK})(?:_\s*(?:\{{[A-Za-z0-9,\\ ]+\}}|[A-Za-z0-9]))?'*"
+    r"(?:\^\s*\{-1\})?'*(?:\s*\(\s*[A-Za-z](?:\s*,\s*[A-Za-z])*\s*\))?"
+)
+# A numeric left side (``2^{10} = 1024``): digits and arithmetic only.
+_ARITHMETIC = re.compile(r"(?:[\d\s.+\-*/^(){}]|\\(?:[dt]?frac|sqrt|cdot|times|div)(?![A-Za-z]))+")
+_RELATION = re.compile(r"[<>]|\\(?:[lg]eq?|neq?|in|approx|sim)(?![A-Za-z])")
+_ONE_CHAR_SCRIPT = re.compile(r"([_^])\{\s*([A-Za-z0-9])\s*\}")
+# A system of equations: "\\begin{cases}..\\end{cases}", "\\{\\begin{array}{l}..\\end{array}."
+# (``\\left``/``\\right`` already dropped), or bare rows "x=2 \\\\ y=1"; read as a list.
+_SYSTEM = re.compile(
+    r"\s*(?:\\begin\{cases\}(.*)\\end\{cases\}"
+    r"|\\\{\s*\\begin\{array\}(?:\{[^{}]*\})?(.*)\\end\{array\}\s*\.?)\s*",
+    re.DOTALL,
+)
+# "t(0,4]", "x[1,2]": a variable written before an interval or a union of intervals.
+_INTERVAL = r"[\[(][^\[\]()]*,[^\[\]()]*[\])]"
+_NAMED_INTERVAL = re.compile(rf"\s*[A-Za-z]\s*({_INTERVAL}(?:\s*\\cup\s*{_INTERVAL})*)\s*")
 _TEXT_WRAPPER = re.compile(
     r"\\(?:text|textnormal|mbox|textbf|textit|mathrm|textrm|mathbf)\s*\{([^{}]*)\}"
 )
@@ -99,8 +130,12 @@ def decode_alternatives(label: object) -> list[str]:
 
 
 def _strip_punctuation(text: str) -> str:
+    """Trailing ``.``, ``,``, ``;`` (not ``...``) and stray trailing backslashes dropped."""
     text = text.strip()
-    while text and text[-1] in ".,;" and not text.endswith("...") and not text.endswith("\\."):
+    while text and (
+        text[-1] == "\\"
+        or (text[-1] in ".,;" and not text.endswith("...") and not text.endswith("\\."))
+    ):
         text = text[:-1].rstrip()
     return text
 
@@ -134,21 +169,44 @@ def _is_number(text: str) -> bool:
 
 
 def _strip_units(text: str) -> str:
-    """Drop trailing ``\\text{...}`` unit groups, and plain unit words after a number."""
+    """Drop trailing ``\\text{...}`` unit groups, plain words after a number (``7 square
+    meters``) and a unit glued to a number (``12days``)."""
     head = _UNIT_TAIL.sub("", text).strip()
     if head and head != text and head[-1] in "0123456789})":
         text = head
     head = _PLAIN_UNIT_TAIL.sub("", text).strip()
     if head and head != text and _is_number(head):
         text = head
-    return text
+    glued = _GLUED_UNIT.fullmatch(text)
+    return glued.group(1) if glued else text
+
+
+def _system_as_list(text: str) -> str:
+    """A system of equations written in rows, as the list of its equations."""
+    system = _SYSTEM.fullmatch(text)
+    if system:
+        rows = (system.group(1) or system.group(2)).split("\\\\")
+    elif "\\\\" in text and "\\begin" not in text:
+        rows = text.split("\\\\")
+        if not all("=" in row for row in rows):
+            return text
+    else:
+        return text
+    rows = [row.replace("&", " ").strip() for row in rows]
+    return ", ".join(row for row in rows if row)
 
 
 def canonical(text: str) -> str:
     """``text`` with layout-only differences removed: spacing commands, ``\\left``/
     ``\\right``, ``\\dfrac``, ``^{\\circ}``, trailing punctuation, trailing units, and
     scientific notation written out as a decimal; thousands separators (``,\\!``, ``{,}``)
-    dropped and a ``$125$ miles`` label read as its math."""
+    dropped, a ``$125$ miles`` label read as its math, one-character sub- and superscripts
+    unbraced (``x_{1}`` is ``x_1``) and a ``cases`` system written as the list of its rows."""
+    return _canonical_and_unit(text)[0]
+
+
+def _canonical_and_unit(text: str) -> tuple[str, str]:
+    """``canonical(text)`` and the trailing unit it dropped (``""`` when none)."""
     words = _MATH_THEN_WORDS.fullmatch(text.strip())
     if words:
         text = words.group(1)
@@ -157,10 +215,64 @@ def canonical(text: str) -> str:
     text = _LEFT_RIGHT.sub("", text)
     text = _SMALL_FRAC.sub("\\\\frac", text)
     text = _DEGREE.sub("^\\\\circ", text)
+    text = _ONE_CHAR_SCRIPT.sub(r"\1\2", text)
+    text = _system_as_list(text)
     text = _strip_punctuation(text)
-    text = _strip_units(text)
-    text = _strip_punctuation(text)
-    return _scientific_to_decimal(text)
+    head = _strip_units(text)
+    unit = text[len(head) :] if text.startswith(head) else ""
+    return _scientific_to_decimal(_strip_punctuation(head)), unit
+
+
+# Spellings of common units, so that a label's unit and an answer's can be told apart:
+# "12days" does not accept "12 \\text{ hours}" (math-verify drops both units and would).
+_UNIT_SPELLINGS = {
+    "second": "s sec secs second seconds",
+    "minute": "min mins minute minutes",
+    "hour": "h hr hrs hour hours",
+    "day": "d day days",
+    "week": "week weeks",
+    "month": "month months",
+    "year": "yr yrs year years",
+    "mm": "mm millimeter millimeters millimetre millimetres",
+    "cm": "cm centimeter centimeters centimetre centimetres",
+    "m": "m meter meters metre metres",
+    "km": "km kilometer kilometers kilometre kilometres",
+    "m^2": "m^2 sqm squaremeter squaremeters squaremetre squaremetres",
+    "cm^2": "cm^2 sqcm squarecentimeter squarecentimeters",
+    "ft^2": "ft^2 sqft squarefoot squarefeet",
+    "m^3": "m^3 cubicmeter cubicmeters cubicmetre cubicmetres",
+    "cm^3": "cm^3 cc cubiccentimeter cubiccentimeters cubiccentimetre cubiccentimetres",
+    "inch": "in inch inches",
+    "ft": "ft foot feet",
+    "mile": "mi mile miles",
+    "g": "g gram grams",
+    "kg": "kg kilogram kilograms",
+    "dollar": "dollar dollars",
+    "cent": "cent cents",
+}
+_UNIT_NAMES = {word: name for name, words in _UNIT_SPELLINGS.items() for word in words.split()}
+_UNIT_NOISE = re.compile(r"\\(?:text|textnormal|mbox|mathrm|textrm|rm)|[{}\s\\]")
+
+
+KNOWN_UNITS = frozenset(_UNIT_SPELLINGS)
+
+
+def unit_name(text: str) -> str | None:
+    """The unit an answer ends with (``None``: none): its name in the table (``12days`` and
+    ``12 \\text{ day}`` give ``day``, one of ``KNOWN_UNITS``), else its spelling without
+    wrappers, spaces and case."""
+    unit = _UNIT_NOISE.sub("", _canonical_and_unit(text)[1]).lower()
+    return _UNIT_NAMES.get(unit, unit) or None
+
+
+def other_unit(label_units: frozenset[str], answer: str) -> bool:
+    """Whether ``answer`` carries another unit than the label's (each of the label's
+    answers has one): different names, at least one of them known to the table, so that
+    two unknown spellings of one unit are not told apart."""
+    unit = unit_name(answer)
+    if not label_units or unit is None or unit in label_units:
+        return False
+    return unit in KNOWN_UNITS or bool(label_units & KNOWN_UNITS)
 
 
 def match_key(text: str) -> str:
@@ -205,24 +317,65 @@ def decimal_comma(text: str) -> str | None:
     return f"{match.group(1)}.{match.group(2)}" if match else None
 
 
-def gold_forms(label: object) -> tuple[list[str], list[str]]:
-    """``(math_forms, text_forms)``: canonical alternatives math-verify grades, and those
-    that are really text (also compared as text). A ``name = value`` label also accepts
-    ``value`` alone, and a ``1000,99`` label its decimal-comma reading ``1000.99``."""
+def _top_level(text: str, sep: str) -> list[str]:
+    """``text`` split at each ``sep`` outside braces, brackets and parentheses."""
+    parts, depth, start = [], 0, 0
+    for i, c in enumerate(text):
+        if c in "{[(":
+            depth += 1
+        elif c in "}])":
+            depth -= 1
+        elif c == sep and depth == 0 and not (sep == "=" and i and text[i - 1] in "<>!\\"):
+            parts.append(text[start:i])
+            start = i + 1
+    return [*parts, text[start:]]
+
+
+def value_forms(form: str) -> list[str]:
+    """What a (canonical) label also accepts alone when the answer is not an equation: the
+    value of ``name = value`` or of a chain ``a = b = 0``, when every left side is a bare name
+    (``y``, ``X_{d}``, ``\\lambda``, ``f(x)``) or arithmetic (``2^{10} = 1024``), and the
+    interval of ``t(0,4]``. ``\\sin(x) = 0.7`` has none: its left side is part of the answer."""
+    interval = _NAMED_INTERVAL.fullmatch(form)
+    if interval and ("[" in form or "]" in form):  # "P(0,4)" is a point, "f(1,2)" a value
+        return [interval.group(1)]
+    if len(_top_level(form, ",")) > 1:
+        return []  # a list of assignments is math-verify's to match
+    *sides, value = (side.strip() for side in _top_level(form, "="))
+    if not sides or not value or _RELATION.search(form):
+        return []
+    if all(_NAME.fullmatch(side) or _ARITHMETIC.fullmatch(side) for side in sides):
+        return [canonical(value)]
+    return []
+
+
+def gold_parts(label: object) -> tuple[list[str], list[str], list[str]]:
+    """``(math_forms, value_forms, text_forms)`` of a label: canonical alternatives
+    math-verify grades, the values some of them also accept alone (``value_forms``; never
+    against an answer that is itself an equation: ``x = 5`` does not accept ``y = 5``), and
+    alternatives that are really text (also compared as text). A ``1000,99`` label also
+    accepts its decimal-comma reading ``1000.99``."""
     math_forms: list[str] = []
+    values: list[str] = []
     text_forms: list[str] = []
     for answer in decode_alternatives(label):
         form = canonical(answer)
         if not form:
             continue
-        target = text_forms if is_text_label(form) else math_forms
-        target.append(form)
-        named = _NAME_EQ.fullmatch(form)
-        if named and target is math_forms:
-            value = canonical(named.group(1))
-            if value and value not in math_forms:
-                math_forms.append(value)
+        if is_text_label(form):
+            text_forms.append(form)
+            continue
+        math_forms.append(form)
+        values += value_forms(form)
         dotted = decimal_comma(form)
-        if dotted and dotted not in math_forms:
+        if dotted:
             math_forms.append(dotted)
-    return list(dict.fromkeys(math_forms)), list(dict.fromkeys(text_forms))
+    math_forms = list(dict.fromkeys(math_forms))
+    values = [v for v in dict.fromkeys(values) if v and v not in math_forms]
+    return math_forms, values, list(dict.fromkeys(text_forms))
+
+
+def gold_forms(label: object) -> tuple[list[str], list[str]]:
+    """``(math_forms, text_forms)`` of ``gold_parts``, the values among the math forms."""
+    math_forms, values, text_forms = gold_parts(label)
+    return math_forms + values, text_forms
