@@ -430,9 +430,10 @@ KERNEL_TOLERANCE = 2e-2  # bf16 outputs: rounding alone stays well under 1e-2
 
 
 def _flash_attn_kernels() -> str:
-    """flash-attn's compiled kernels (``flash_attn_2_cuda``; ``import flash_attn`` alone loads
-    none of them) run and compute attention on every GPU model present: a build without
-    this GPU's architecture fails here ('no kernel image'), not in the first training step."""
+    """flash-attn's compiled extension (``flash_attn_2_cuda``) loads, and its kernels run and
+    compute attention on every GPU model present: loading does not show which architectures
+    were compiled (FLASH_ATTN_CUDA_ARCHS), a call does ('no kernel image'), here rather than
+    in the first training step."""
     import flash_attn_2_cuda  # noqa: F401
     import torch
     from flash_attn import flash_attn_func

@@ -1,7 +1,8 @@
 """The first run on a GPU node: every check prints PASS or FAIL, any FAIL exits non-zero.
 
 Checks (``--checks`` picks some; docs/gpu.md says what each means and what to do on FAIL):
-  env        torch sees CUDA, flash-attn imports, versions (GPU only)
+  env        torch sees CUDA, flash-attn's and vLLM's CUDA kernels run (the install's
+             checks), versions (GPU only)
   gradient   DRPO's gradient on the device (bf16, flash-attention 2, packed samples) equals the
              fp64 reference within its measured tolerance, and a corrupted loss does not: the
              negative control (scripts/smoke_gradient.py)
@@ -42,6 +43,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_install
 import smoke_gradient
 
 N = 4  # responses per prompt in the pipeline runs
@@ -71,12 +73,16 @@ def check_env(setup: Setup) -> Outcome:
     if not setup.gpus:
         return Outcome(True, "no CUDA device: CPU path (" + ", ".join(parts) + ")")
     parts.append(f"CUDA {torch.version.cuda}, {setup.gpus} x {torch.cuda.get_device_name(0)}")
-    try:
-        import flash_attn
-
-        parts.append(f"flash_attn {flash_attn.__version__}")
-    except ImportError as error:
-        return Outcome(False, f"flash_attn does not import ({error}): scripts/install_gpu.sh")
+    # the install's kernel checks: flash-attn's and vLLM's CUDA kernels load and compute right
+    for name, probe in (
+        ("flash_attn", gpu_install._flash_attn_kernels),
+        ("vllm", gpu_install._vllm_cuda),
+    ):
+        try:
+            parts.append(probe())
+        except Exception as error:  # any failure to load or run a kernel is the report
+            reason = f"{type(error).__name__}: {error}"
+            return Outcome(False, f"{name}'s CUDA kernels: {reason} (scripts/install_gpu.sh)")
     return Outcome(True, ", ".join(parts))
 
 

@@ -186,6 +186,16 @@ def test_gradient_check_fails_on_a_wrong_gradient(tmp_path, monkeypatch):
     assert not outcome.passed and "gradient is wrong" in outcome.detail
 
 
+def test_env_check_on_a_gpu_runs_the_kernels_of_flash_attn_and_vllm(tmp_path, monkeypatch):
+    """Here (no CUDA build of flash-attn, the stand-in imports) the env check of a GPU node
+    must FAIL at flash-attn's compiled kernels: it runs them, as the install's check does."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA H100")
+    outcome = smoke_gpu.check_env(smoke_gpu.Setup(work=tmp_path, gpus=1))
+    assert not outcome.passed
+    assert "flash_attn's CUDA kernels: ModuleNotFoundError" in outcome.detail
+    assert "flash_attn_2_cuda" in outcome.detail
+
+
 def test_a_failed_check_prints_fail_and_exits_non_zero(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(
         smoke_gpu.CHECKS, "env", lambda setup: smoke_gpu.Outcome(False, "broken on purpose")
