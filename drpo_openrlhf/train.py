@@ -164,10 +164,12 @@ def add_drpo_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--drpo.max_logprob_gap",
         type=float,
-        default=0.05,
+        default=None,
         help="stop the run when vLLM's rollout token log-probs differ from the actor's by more "
         "than this many nats on average (a stale or broken weight sync); logged as "
-        "drpo/rollout_logprob_gap (default %(default)s: docs/cpu.md says how it was set)",
+        "drpo/rollout_logprob_gap. Default: 10 x the gap of the run's first rollout, whose "
+        "weights are checked exactly (at least 0.005; 0.05 with --no-drpo.verify_weight_sync); "
+        "docs/cpu.md",
     )
     g.add_argument(
         "--drpo.verify_weight_sync",

@@ -1,11 +1,19 @@
-"""The rollout/actor log-prob gap: pooled over batches, masked, and refused when far off."""
+"""The rollout/actor log-prob gap: pooled over batches, masked, and refused when far off, with
+a limit derived from the honest gap the run measures itself."""
 
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from drpo_openrlhf.algo.logprob_gap import logprob_gap, pooled_gap
+from drpo_openrlhf.algo.logprob_gap import (
+    FALLBACK_LIMIT,
+    MIN_LIMIT,
+    GapLimit,
+    derived_limit,
+    logprob_gap,
+    pooled_gap,
+)
 
 
 def test_gap_counts_only_action_tokens():
@@ -37,10 +45,33 @@ def test_rollout_stats_fail_loudly_on_a_broken_sync():
             rollout_log_probs=actor + gap, action_log_probs=actor, action_mask=torch.ones(2, 4)
         )
 
-    stats = rollout_logprob_stats([experience(0.01), experience(0.03)], max_gap=0.5)
+    fixed = GapLimit(0.5, exact_start=True)
+    stats = rollout_logprob_stats([experience(0.01), experience(0.03)], fixed)
     assert stats["drpo/rollout_logprob_gap"] == pytest.approx(0.02)
     assert stats["drpo/rollout_logprob_gap_max"] == pytest.approx(0.03)
+    assert stats["drpo/rollout_logprob_gap_limit"] == 0.5
     with pytest.raises(LogprobGapError, match="broken weight sync"):
-        rollout_logprob_stats([experience(2.0)], max_gap=0.5)
+        rollout_logprob_stats([experience(2.0)], fixed)
     no_logprobs = SimpleNamespace(rollout_log_probs=None)
-    assert rollout_logprob_stats([no_logprobs], max_gap=0.5) == {}
+    assert rollout_logprob_stats([no_logprobs], fixed) == {}
+
+    derived = GapLimit(None, exact_start=True)  # honest 0.02 at the first rollout: limit 0.2
+    assert rollout_logprob_stats([experience(0.02)], derived)[
+        "drpo/rollout_logprob_gap_limit"
+    ] == pytest.approx(0.2)
+    rollout_logprob_stats([experience(0.15)], derived)
+    with pytest.raises(LogprobGapError, match=r"limit 0\.2, honest gap 0\.02"):
+        rollout_logprob_stats([experience(0.25)], derived)
+
+
+def test_gap_limit_is_derived_from_the_first_exactly_checked_rollout():
+    limit = GapLimit(None, exact_start=True)
+    value, line = limit.limit_for(0.003)  # a GPU's honest gap, say
+    assert value == pytest.approx(0.03) and "honest rollout log-prob gap 0.003" in line
+    assert limit.limit_for(0.5) == (pytest.approx(0.03), None)  # measured once, kept
+    assert GapLimit(None, exact_start=True).limit_for(0.0)[0] == MIN_LIMIT
+    assert derived_limit(1e-4) == MIN_LIMIT and derived_limit(0.1) == pytest.approx(1.0)
+    # weights not checked: the first rollout may already be stale, so it sets nothing
+    unchecked = GapLimit(None, exact_start=False)
+    assert unchecked.limit_for(0.04) == (FALLBACK_LIMIT, None) and unchecked.honest is None
+    assert GapLimit(0.2, exact_start=True).limit_for(0.001) == (0.2, None)

@@ -1,7 +1,8 @@
-"""The weight-sync check's pieces on CPU without a vLLM engine: the worker-side recorder on a
-model that loads the way vLLM's do (fused q/k/v through each parameter's ``weight_loader``,
-padded vocabulary rows), and the actor-side digests taken from the engine calls of
-OpenRLHF's sync loop, NCCL and CUDA-IPC variants alike."""
+"""The weight-sync check's pieces on CPU without a vLLM engine: the worker-side layout map and
+recorder on a model that loads the way vLLM's do (fused q/k/v through each parameter's
+``weight_loader``, padded vocabulary rows), and the actor-side digests taken from the engine
+calls of OpenRLHF's sync loop, NCCL and CUDA-IPC variants alike. vLLM's own loaders under
+tensor parallelism: ``test_weight_layout_vllm.py``."""
 
 from __future__ import annotations
 
@@ -68,16 +69,34 @@ def hf(seed: int) -> dict[str, torch.Tensor]:
     return {n: t.bfloat16() for n, t in weights.items()}
 
 
-def sync(worker: Worker, weights: dict[str, torch.Tensor]) -> list[str]:
+def mapped_worker() -> Worker:
+    worker = Worker()
+    worker.map_weight_layout({n: tuple(t.shape) for n, t in hf(0).items()})
+    return worker
+
+
+def sync(worker: Worker, weights: dict[str, torch.Tensor], sent=None) -> list[str]:
     worker.begin_weight_sync()
     for name, tensor in weights.items():
         worker.update_weight(name, tensor)
     report = worker_report(worker.weight_sync_report())
-    return engine_problems({n: digest(t) for n, t in weights.items()}, [report])
+    sent = weights if sent is None else sent
+    return engine_problems({n: digest(t) for n, t in sent.items()}, [report])
+
+
+def test_layout_map_leaves_the_model_untouched_and_finds_each_block():
+    worker = Worker()
+    before = {n: p.clone() for n, p in worker.model_runner.model.named_parameters()}
+    worker.map_weight_layout({n: tuple(t.shape) for n, t in hf(0).items()})
+    for name, param in worker.model_runner.model.named_parameters():
+        assert param.dtype == torch.bfloat16 and torch.equal(param, before[name])
+    layout = worker._drpo_layout
+    assert [(p, b.row, b.rows) for p, b in layout["attn.v"]] == [("qkv", 2 * DIM, DIM)]
+    assert [(p, b.rows, b.src_row) for p, b in layout["embed"]] == [("embed.weight", VOCAB, 0)]
 
 
 def test_recorder_sees_fused_and_padded_loads_exactly():
-    worker = Worker()
+    worker = mapped_worker()
     assert sync(worker, hf(0)) == []
     report = worker_report(worker.weight_sync_report())  # recording ended with the report
     assert report.loads == {}
@@ -85,12 +104,37 @@ def test_recorder_sees_fused_and_padded_loads_exactly():
     worker.update_weight("attn.k", hf(1)["attn.k"])
     raw = worker.weight_sync_report()
     assert raw["loads"] == {"attn.k": [("qkv", "k")]}
-    assert raw["params"]["embed.weight"][0] == VOCAB * DIM  # padding rows left out
+    assert raw["held"]["embed"][0] == VOCAB * DIM  # padding rows left out
     assert sync(worker, hf(2)) == []  # instrumented once, stays exact
 
 
+@pytest.mark.parametrize(
+    "break_it",
+    [
+        lambda w: {**w, "attn.q": w["attn.q"].flip(0)},  # rows permuted
+        lambda w: {**w, "attn.v": w["attn.v"].t()},  # a square matrix transposed
+        lambda w: {**w, "attn.q": w["attn.k"], "attn.k": w["attn.q"]},  # halves swapped
+        lambda w: {**w, "embed": w["embed"].roll(1, dims=0)},
+    ],
+    ids=["rows-permuted", "transposed", "swapped", "embedding-rows-rolled"],
+)
+def test_same_values_in_other_places_are_caught(break_it):
+    weights = hf(1)
+    problems = sync(mapped_worker(), break_it(weights), sent=weights)
+    assert problems and all("holds other values or places" in p for p in problems), problems
+
+
+def test_initial_check_catches_an_engine_from_another_checkpoint():
+    worker = mapped_worker()
+    sync(worker, hf(0))
+    report = worker_report(worker.weight_sync_report())
+    assert engine_problems({n: digest(t) for n, t in hf(0).items()}, [report], False) == []
+    problems = engine_problems({n: digest(t) for n, t in hf(1).items()}, [report], False)
+    assert len(problems) == 4 and "'qkv' holds other values" in problems[0]
+
+
 def test_recorder_catches_a_stale_and_a_skipped_load():
-    worker = Worker()
+    worker = mapped_worker()
     sync(worker, hf(0))
     worker.begin_weight_sync()
     new, old = hf(1), hf(0)
@@ -104,7 +148,10 @@ def test_recorder_catches_a_stale_and_a_skipped_load():
     ]
     report.loads["embed"] = [("embed.weight", "")]
     problems = engine_problems({n: digest(t) for n, t in new.items()}, [report])
-    assert any("'qkv' holds other values" in p for p in problems)
+    assert [p.split(" (")[0] for p in problems] == [
+        "vLLM parameter 'qkv' holds other values or places than the actor's 'attn.v'",
+        "vLLM parameter 'embed.weight' holds other values or places than the actor's 'embed'",
+    ]
 
 
 def test_recorder_wraps_vllm_parameter_classes_private_loader():
@@ -121,9 +168,12 @@ def test_recorder_wraps_vllm_parameter_classes_private_loader():
     param = VLLMParameter(torch.zeros(3 * DIM, DIM, dtype=torch.bfloat16))
     param._weight_loader = ToyVLLMModel._load_qkv
     model.qkv = param
+    worker.map_weight_layout({"attn.q": (DIM, DIM)})
     worker.begin_weight_sync()
     worker.update_weight("attn.q", hf(0)["attn.q"])
-    assert worker.weight_sync_report()["loads"] == {"attn.q": [("qkv", "q")]}
+    raw = worker.weight_sync_report()
+    assert raw["loads"] == {"attn.q": [("qkv", "q")]}
+    assert worker_report(raw).held["attn.q"] == digest(hf(0)["attn.q"])
 
 
 class Handle:

@@ -1,5 +1,6 @@
-"""The weight-sync digest and its comparison (``integration/weight_digest.py``), without vLLM:
-exactness, order independence, fusing/sharding arithmetic, and every way a sync can differ."""
+"""The positional weight digest and its comparison (``integration/weight_digest.py``), without
+vLLM: exactness about values and places, sums over pieces (fusing, sharding, replicated KV
+heads), the layout found from a loader's writes, and every way an engine can differ."""
 
 from __future__ import annotations
 
@@ -8,9 +9,13 @@ import torch
 
 from drpo_openrlhf.integration.weight_digest import (
     MASK64,
+    Block,
     Digest,
+    LayoutError,
     WeightSyncError,
     WorkerReport,
+    as_matrix,
+    block_from_positions,
     check_sync,
     digest,
     engine_problems,
@@ -31,47 +36,66 @@ def test_splitmix64_matches_unsigned_reference():
     assert [g & MASK64 for g in got] == [splitmix64_reference(x & MASK64) for x in xs]
 
 
-def test_digest_is_the_sum_of_element_hashes():
+def test_digest_is_the_sum_of_position_and_bits_hashes():
     x = torch.randn(7, 5, generator=torch.Generator().manual_seed(0)).bfloat16()
     bits = x.view(torch.int16).flatten().tolist()
-    expected = sum(splitmix64_reference(b & 0xFFFF) for b in bits) & MASK64
-    assert digest(x) == Digest(35, expected)
+    expected = sum(splitmix64_reference((i << 16) | (b & 0xFFFF)) for i, b in enumerate(bits))
+    assert digest(x) == Digest(35, expected & MASK64)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_digest_is_order_free_and_bit_exact(dtype):
+def test_digest_sees_every_bit_and_every_place(dtype):
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(64, 33, generator=g).to(dtype)
-    assert digest(x) == digest(x.flatten()[torch.randperm(x.numel(), generator=g)])
-    assert digest(x.t()) == digest(x)  # layout does not matter
+    x = torch.randn(64, 64, generator=g).to(dtype)
+    assert digest(x) == digest(x.t().contiguous().t())  # memory layout does not matter
+    assert digest(x) != digest(x.flatten()[torch.randperm(x.numel(), generator=g)].view(64, 64))
+    assert digest(x) != digest(x.flip(0))  # rows permuted
+    assert digest(x) != digest(x.t())  # transposed
+    assert digest(x) != digest(torch.cat([x[32:], x[:32]]))  # halves swapped
     for flat_index in (0, 1000, x.numel() - 1):
         y = x.clone().flatten()
         y.view(torch.int16 if x.element_size() == 2 else torch.int32)[flat_index] ^= 1  # 1 bit
-        assert digest(y) != digest(x)
+        assert digest(y.view(64, 64)) != digest(x)
     assert digest(x[1:]) != digest(x)
+    symmetric = x + x.t()
+    assert digest(symmetric.t()) == digest(symmetric)  # same values in the same places
 
 
 def test_digest_chunks_add_up(monkeypatch):
-    x = torch.randn(1000).bfloat16()
+    x = torch.randn(100, 10).bfloat16()
     whole = digest(x)
     monkeypatch.setattr("drpo_openrlhf.integration.weight_digest.CHUNK", 7)
     assert digest(x) == whole
 
 
-def test_fused_and_sharded_digests_add_up():
-    """What vLLM does with q/k/v (concatenated) and with tensor-parallel rows (split)."""
-    q, k, v = (torch.randn(8, 4).bfloat16() for _ in range(3))
-    assert digest(torch.cat([q, k, v])) == digest(q) + digest(k) + digest(v)
-    top, bottom = torch.cat([q, k]).chunk(2)
-    assert digest(top) + digest(bottom) == digest(q) + digest(k)
+def test_pieces_at_their_sent_positions_add_up():
+    """What vLLM does with q/k/v (fused by rows), tensor-parallel rows and columns (split) and
+    replicated KV heads (copied)."""
+    q = torch.randn(8, 6).bfloat16()
+    rows = [Block(0, 0, 4, 6, 0, 0, 6), Block(0, 0, 4, 6, 4, 0, 6)]
+    assert rows[0].digest(q[:4]) + rows[1].digest(q[4:]) == digest(q)
+    cols = [Block(0, 0, 8, 3, 0, 0, 6), Block(0, 0, 8, 3, 0, 3, 6)]
+    assert cols[0].digest(q[:, :3]) + cols[1].digest(q[:, 3:]) == digest(q)
+    assert cols[0].digest(q[:, 3:]) + cols[1].digest(q[:, :3]) != digest(q)
+    fused = torch.cat([torch.zeros(2, 6, dtype=q.dtype), q])  # q after two rows of another
+    assert Block(2, 0, 8, 6, 0, 0, 6).digest(fused) == digest(q)
     assert digest(q) * 3 == digest(q) + digest(q) + digest(q)
 
 
-def test_padding_rows_are_removed_exactly():
-    weight = torch.randn(10, 4).bfloat16()
-    padded = torch.cat([weight, torch.zeros(6, 4, dtype=torch.bfloat16)])
-    assert digest(padded).without_zeros(24) == digest(weight)
-    assert digest(padded).without_zeros(20) != digest(weight)
+def test_layout_is_read_from_what_a_loader_wrote():
+    src = (6, 4)
+    positions = torch.arange(1, 25, dtype=torch.int32).view(src)
+    param = torch.zeros(8, 2, dtype=torch.int32)
+    param[2:8] = positions[:, 2:]  # column shard 1 of 2, after two other rows
+    assert block_from_positions(param, torch.Size(src), "x") == Block(2, 0, 6, 2, 0, 2, 4)
+    padded = torch.zeros(8, 4, dtype=torch.int32)
+    padded[:3] = positions[3:]  # vocabulary rows 3..5 on this rank, zero padding after
+    assert block_from_positions(padded, torch.Size(src), "x") == Block(0, 0, 3, 4, 3, 0, 4)
+    for wrong in (positions.flip(0), positions.t().reshape(6, 4), positions.roll(1, 1)):
+        with pytest.raises(LayoutError, match="one rectangle of it in order"):
+            block_from_positions(wrong, torch.Size(src), "x")
+    assert block_from_positions(torch.zeros(2, 2, dtype=torch.int32), torch.Size(src), "") is None
+    assert as_matrix(torch.zeros(2, 3, 4)).shape == (2, 12)
 
 
 # A two-layer "model": HF names q,k,v,o per layer; vLLM fuses q,k,v into qkv.
@@ -84,25 +108,39 @@ def hf_weights(seed: int) -> dict[str, torch.Tensor]:
     }
 
 
-def vllm_load(weights: dict[str, torch.Tensor], into: dict[str, str] | None = None):
-    """The worker's report of a load, correct or (``into``) with some tensors loaded under
-    another name, which is the name the worker then sees."""
-    loads, params = {}, {}
-    for i in range(2):
-        params[f"l{i}.qkv"] = [None] * 3
-        params[f"l{i}.o"] = [None]
+def home(name: str) -> tuple[str, int]:
+    """The parameter a name lives in, and its row offset there (q, k, v fused by rows)."""
+    layer, part = name.split(".")
+    return (f"{layer}.qkv", 4 * "qkv".index(part)) if part in "qkv" else (name, 0)
+
+
+def vllm_load(
+    weights: dict[str, torch.Tensor],
+    into: dict[str, str] | None = None,
+    rows: dict[str, tuple[int, int]] | None = None,
+) -> WorkerReport:
+    """One worker's report after a load, correct or (``into``) with some tensors loaded under
+    another name, which is the name the worker then sees; ``rows``: name -> (first, count)
+    of the rows this worker holds (a tensor-parallel shard), all by default."""
+    params = {
+        f"l{i}.{p}": torch.zeros(12 if p == "qkv" else 4, 4) for i in range(2) for p in ("qkv", "o")
+    }
+    params = {n: p.bfloat16() for n, p in params.items()}
+    rows = rows or {}
+    loads = {}
     for name, tensor in weights.items():
         target = (into or {}).get(name, name)
-        layer, part = target.split(".")
-        param, shard = (f"{layer}.qkv", "qkv".index(part)) if part in "qkv" else (target, 0)
-        loads.setdefault(target, []).append((param, str(shard)))
-        params[param][shard] = tensor
-    return WorkerReport(
-        loads=loads,
-        params={
-            name: digest(torch.cat([t for t in ts if t is not None])) for name, ts in params.items()
-        },
-    )
+        param, offset = home(target)
+        first, count = rows.get(target, (0, 4))
+        loads.setdefault(target, []).append((param, target[-1]))
+        params[param][offset : offset + count] = tensor[first : first + count]
+    held, where = {}, {}
+    for name in hf_weights(0):
+        param, offset = home(name)
+        first, count = rows.get(name, (0, 4))
+        held[name] = Block(offset, 0, count, 4, first, 0, 4).digest(params[param])
+        where[name] = param
+    return WorkerReport(loads=loads, held=held, param=where)
 
 
 def sent_of(weights):
@@ -118,21 +156,42 @@ def test_a_correct_sync_passes():
 def test_tensor_parallel_shards_and_replicas_pass():
     w = hf_weights(0)
     full = vllm_load(w)
-    halves = []
-    for half in range(2):  # every parameter split in two row blocks (sharded over 2 ranks)
-        shard = {n: t.chunk(2)[half] for n, t in w.items()}
-        report = vllm_load(shard)
-        halves.append(WorkerReport(loads=full.loads, params=report.params))
-    assert engine_problems(sent_of(w), halves) == []
+    halves = [vllm_load(w, rows={n: (2 * r, 2) for n in w}) for r in range(2)]
+    assert engine_problems(sent_of(w), halves) == []  # every tensor sharded over 2 ranks
     assert engine_problems(sent_of(w), [full, full]) == []  # replicated on 2 ranks
     assert engine_problems(sent_of(w), [full, halves[0]]) != []
+    assert engine_problems(sent_of(w), [halves[0], halves[0]]) != []  # one half twice
+
+
+def test_q_sharded_with_kv_heads_replicated_passes():
+    """vLLM's tensor-parallel size above the KV-head count: q split over the ranks, k and v
+    copied to several (``num_kv_head_replicas``); found as a false alarm in issue 35."""
+    w = hf_weights(0)
+    ranks = [
+        vllm_load(
+            w,
+            rows={
+                f"l{i}.{p}": (r, 1) if p in "qo" else (r // 2 * 2, 2)
+                for i in range(2)
+                for p in "qkvo"
+            },
+        )
+        for r in range(4)
+    ]  # 4 ranks, 2 KV heads of 2 rows: each head on 2 ranks
+    assert engine_problems(sent_of(w), ranks) == []
+    ranks[3] = vllm_load(
+        w, rows={f"l{i}.{p}": (3, 1) if p in "qo" else (0, 2) for i in range(2) for p in "qkvo"}
+    )  # head 0 on 3 ranks
+    problems = engine_problems(sent_of(w), ranks)
+    assert len(problems) == 4 and "'l0.k'" in problems[0]
 
 
 def test_each_breakage_is_named():
     old, new = hf_weights(0), hf_weights(1)
     sent = sent_of(new)
 
-    nothing = WorkerReport(loads={}, params=vllm_load(old).params)
+    nothing = vllm_load(old)
+    nothing.loads = {}
     problems = engine_problems(sent, [nothing])
     assert "'l0.q' was sent but not loaded" in problems
     assert "vLLM parameter 'l0.qkv' was not loaded by this sync" in problems
@@ -146,16 +205,31 @@ def test_each_breakage_is_named():
 
     swapped = vllm_load(new, into={"l0.o": "l1.o", "l1.o": "l0.o"})  # loads cross over
     problems = engine_problems(sent, [swapped])
-    assert any("'l0.o' holds other values than the actor sent for 'l0.o'" in p for p in problems)
+    assert any("'l0.o' holds other values or places than the actor's 'l0.o'" in p for p in problems)
+
+    gate_up = vllm_load(new, into={"l0.q": "l0.k", "l0.k": "l0.q"})  # fused halves swapped
+    problems = engine_problems(sent, [gate_up])
+    assert [p.split(" (")[0] for p in problems] == [
+        "vLLM parameter 'l0.qkv' holds other values or places than the actor's 'l0.q'",
+        "vLLM parameter 'l0.qkv' holds other values or places than the actor's 'l0.k'",
+    ]
 
     wrong = vllm_load(new, into={"l0.k": "l0.q"})  # k loaded as q: q twice, k never
     problems = engine_problems(sent, [wrong])
-    assert problems[0] == "'l0.q' was loaded 2 times: [('l0.qkv', '0'), ('l0.qkv', '0')]"
+    assert problems[0] == "'l0.q' was loaded 2 times: [('l0.qkv', 'q'), ('l0.qkv', 'q')]"
     assert problems[1] == "'l0.k' was sent but not loaded"
 
     stale = vllm_load(old)  # loads recorded as usual, but of last sync's tensors
     problems = engine_problems(sent, [stale])
-    assert len(problems) == 4 and all("holds other values" in p for p in problems)
+    assert len(problems) == 8 and all("holds other values" in p for p in problems)
+
+    before_rollout = engine_problems(sent, [stale], synced=False)  # no loads to look at
+    assert len(before_rollout) == 8 and all("holds other values" in p for p in before_rollout)
+    unfilled = vllm_load(new)
+    unfilled.unloaded = ["l9.extra"]
+    assert engine_problems(sent, [unfilled], synced=False) == [
+        "vLLM parameter 'l9.extra' holds no tensor the actor has"
+    ]
 
     twice = vllm_load(new)
     twice.loads["l0.o"] = twice.loads["l0.o"] * 2
@@ -173,10 +247,13 @@ def test_check_sync_names_the_engine_and_step():
     message = str(error.value)
     assert "after rollout step 7" in message and "engine 1 of 2" in message
     assert "engine 0 of 2" not in message and "'l1.qkv'" in message
+    with pytest.raises(WeightSyncError, match=r"before the first rollout: .* the actor has"):
+        check_sync(sent_of(new), [[vllm_load(old)]], "before the first rollout", synced=False)
 
 
 def test_long_lists_are_cut():
     new = hf_weights(1)
-    nothing = WorkerReport(loads={}, params=vllm_load(new).params)
+    nothing = vllm_load(new)
+    nothing.loads = {}
     with pytest.raises(WeightSyncError, match=r"\.\.\. and 4 more"):
         check_sync(sent_of(new), [[nothing]], "after rollout step 1")

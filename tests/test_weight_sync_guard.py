@@ -10,14 +10,14 @@ breakages run to the end (exit 0), so it is the guard that stops them.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import pytest
 from test_e2e_pipeline import train
+from test_weight_places_guard import PLACES, another_checkpoint
 
-from drpo_openrlhf import train as entry_point
+from drpo_openrlhf.algo.logprob_gap import FALLBACK_LIMIT, derived_limit
 from drpo_openrlhf.eval.tensorboard_logs import read_scalars
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -28,15 +28,6 @@ RENAMED = ("model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.
 # engine 0: one tensor skipped, one loaded under the wrong name; engine 1 loads nothing
 ONE_STEP_BREAKS = {"0": {"skip": SKIPPED, "rename": RENAMED}, "1": {"nothing": True}}
 GUARD = "weight sync check failed"
-
-
-def _default_gap_limit() -> float:
-    parser = argparse.ArgumentParser()
-    entry_point.add_drpo_arguments(parser)
-    return parser.get_default("drpo.max_logprob_gap")
-
-
-DEFAULT_GAP_LIMIT = _default_gap_limit()
 
 
 def broken_run(toy, out: Path, monkeypatch, breaks: dict, *flags: str, steps: int):
@@ -71,14 +62,19 @@ def test_an_engine_one_sync_behind_stops_the_run(toy, tmp_path, monkeypatch):
 
 
 def test_without_the_guard_the_same_breakages_run_through(toy, tmp_path, monkeypatch):
-    """The control: every breakage above at once, guard off, the log-prob limit out of the
-    way: the run ends normally, so it is the guard that stops them. The stale policy's
-    ``drpo/rollout_logprob_gap`` crosses the default ``--drpo.max_logprob_gap`` by step 3
-    (measured here: 0.0013, 0.04-0.08, 0.11; docs/cpu.md), so the second signal would too."""
-    breaks = {"0": {**ONE_STEP_BREAKS["0"], "lag": True}, "1": {"nothing": True}}
+    """The control: every breakage above and in ``test_weight_places_guard.py`` at once, guard
+    off, the log-prob limit out of the way: the run ends normally, so it is the guard that
+    stops them. The stale policy's ``drpo/rollout_logprob_gap`` crosses the limit a guarded
+    run derives from its first rollout by step 3 (measured here: 0.0013, 0.04-0.08, 0.11;
+    docs/cpu.md), and the CPU fallback limit too, so the second signal would too."""
+    other = another_checkpoint(toy, tmp_path / "other")
+    breaks = {
+        "0": {**ONE_STEP_BREAKS["0"], **PLACES["0"], "lag": True},
+        "1": {"nothing": True, **PLACES["1"], "start_from": str(other)},
+    }
     done = broken_run(
         toy,
-        tmp_path,
+        tmp_path / "run",
         monkeypatch,
         breaks,
         *("--vllm.num_engines", "2", "--no-drpo.verify_weight_sync"),
@@ -87,10 +83,18 @@ def test_without_the_guard_the_same_breakages_run_through(toy, tmp_path, monkeyp
     )
     assert done.returncode == 0, done.output[-3000:]
     breaks_seen = [line for line in done.output.splitlines() if "SYNC BREAK:" in line]
-    for marker in ("not loaded", "loaded as", "of the sync before loaded"):
+    for marker in (
+        "not loaded",
+        "loaded as",
+        "of the sync before loaded",
+        "rows reversed",
+        "transposed",
+        "first weights loaded from",
+    ):
         assert any(marker in line for line in breaks_seen), marker
     assert GUARD not in done.output
-    gaps = read_scalars(tmp_path / "tb")["train/drpo/rollout_logprob_gap"]
+    gaps = read_scalars(tmp_path / "run" / "tb")["train/drpo/rollout_logprob_gap"]
     print("stale-policy rollout_logprob_gap per step:", gaps)
     assert sorted(gaps) == [1, 2, 3]
-    assert gaps[1] < DEFAULT_GAP_LIMIT < max(gaps[2], gaps[3])
+    assert derived_limit(gaps[1]) < max(gaps[2], gaps[3])
+    assert gaps[1] < FALLBACK_LIMIT < max(gaps[2], gaps[3])

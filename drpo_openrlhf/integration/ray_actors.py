@@ -17,7 +17,7 @@ from openrlhf.trainer.ppo_utils import samples_generator
 from openrlhf.trainer.ray import ppo_actor, vllm_engine
 
 from drpo_openrlhf.algo import DRPOConfig
-from drpo_openrlhf.algo.logprob_gap import logprob_gap, pooled_gap
+from drpo_openrlhf.algo.logprob_gap import GapLimit, logprob_gap, pooled_gap
 from drpo_openrlhf.algo.shaper import GroupRewardShaper
 from drpo_openrlhf.integration import chunked_actor
 from drpo_openrlhf.integration.actor_trainer import DRPOActorTrainer, FiniteCheckedPPOTrainer
@@ -93,9 +93,9 @@ class LogprobGapError(RuntimeError):
     """vLLM's rollout log-probs are far from the actor's on the same weights."""
 
 
-def rollout_logprob_stats(experiences: list, max_gap: float) -> dict[str, float]:
-    """``drpo/rollout_logprob_gap`` (mean |vLLM - actor| token log-prob) and its max over a
-    rollout; raises ``LogprobGapError`` when the mean exceeds ``max_gap``."""
+def rollout_logprob_stats(experiences: list, limit: GapLimit) -> dict[str, float]:
+    """``drpo/rollout_logprob_gap`` (mean |vLLM - actor| token log-prob), its max over a
+    rollout and the limit that applied; raises ``LogprobGapError`` when the mean exceeds it."""
     parts = [
         logprob_gap(e.rollout_log_probs, e.action_log_probs, e.action_mask)
         for e in experiences
@@ -104,14 +104,22 @@ def rollout_logprob_stats(experiences: list, max_gap: float) -> dict[str, float]
     if not parts:
         return {}
     mean, largest = pooled_gap(parts)
+    max_gap, derived = limit.limit_for(mean)
+    if derived:
+        logger.info(derived)
     if mean > max_gap:
+        honest = "not measured" if limit.honest is None else f"{limit.honest:.3g}"
         raise LogprobGapError(
             f"vLLM's rollout log-probs differ from the actor's by {mean:.3g} nats per token "
-            f"on average (max {largest:.3g}; limit --drpo.max_logprob_gap {max_gap}): the "
-            "engines are not sampling from the actor's weights (broken weight sync) or run "
-            "at another precision"
+            f"on average (max {largest:.3g}; limit {max_gap:.3g}, honest gap {honest}; "
+            "--drpo.max_logprob_gap): the engines are not sampling from the actor's weights "
+            "(broken weight sync) or run at another precision"
         )
-    return {"drpo/rollout_logprob_gap": mean, "drpo/rollout_logprob_gap_max": largest}
+    return {
+        "drpo/rollout_logprob_gap": mean,
+        "drpo/rollout_logprob_gap_max": largest,
+        "drpo/rollout_logprob_gap_limit": max_gap,
+    }
 
 
 def _sampling_params_with_logprobs(sampling_params):
@@ -160,6 +168,7 @@ class _GroupAwarePPOTrainer(VerifiedSyncTrainer, ppo_trainer.PPOTrainer.__ray_ac
             samples_generator.SamplingParams._drpo_logprobs = True
         super().__init__(*args, **kwargs)
         run = self.args.drpo_run
+        self._gap_limit = GapLimit(run.max_logprob_gap, run.verify_weight_sync)
         if run.method:
             self.experience_maker.__class__ = ShapingExperienceMaker
             self.experience_maker.shaper = GroupRewardShaper(
@@ -175,7 +184,7 @@ class _GroupAwarePPOTrainer(VerifiedSyncTrainer, ppo_trainer.PPOTrainer.__ray_ac
 
     def _compute_rollout_stats(self, experiences):
         stats = super()._compute_rollout_stats(experiences)
-        stats.update(rollout_logprob_stats(experiences, self.args.drpo_run.max_logprob_gap))
+        stats.update(rollout_logprob_stats(experiences, self._gap_limit))
         if self._shaper is not None:
             stats.update(advantage_signal_stats(experiences))
         return stats

@@ -1,17 +1,22 @@
-"""Every weight sync checked exactly (``--drpo.verify_weight_sync``, on by default).
+"""The engines' weights checked exactly against the actor's, before the first rollout and
+after every weight sync (``--drpo.verify_weight_sync``, on by default).
 
 OpenRLHF's sync (``trainer/ray/ppo_actor.py: broadcast_to_vllm``) sends each actor parameter
-to every vLLM engine; nothing checks that the engines load it. A run whose engines dropped
-every tensor trained for 32 steps and exited 0 (issue 22). Three mixins close that:
+to every vLLM engine; nothing checks that the engines load it, nor that the weights vLLM
+loaded from disk at start-up are the actor's. A run whose engines dropped every tensor
+trained for 32 steps and exited 0 (issue 22). Three mixins close that:
 
 - ``SentDigestsActor`` (actor ranks): rank 0 digests each tensor it sends, while it is
-  gathered for sending, by seeing the ``update_weight`` call it makes on the first engine.
-- ``SyncReportingEngine`` (vLLM engine actors): forwards ``begin_weight_sync`` and
-  ``weight_sync_report`` to every worker of the engine (``vllm_sync_worker``).
-- ``VerifiedSyncTrainer`` (the driver's trainer): around each sync, starts the recording,
-  then compares what every engine loaded and holds with what was sent
-  (``weight_digest.check_sync``) and stops the run with ``WeightSyncError`` naming the
-  engine, the parameters and the rollout step.
+  gathered for sending, by seeing the ``update_weight`` call it makes on the first engine;
+  and, before the first rollout, the shape and digest of every tensor it would send.
+- ``SyncReportingEngine`` (vLLM engine actors): forwards ``map_weight_layout``,
+  ``begin_weight_sync`` and ``weight_sync_report`` to every worker (``vllm_sync_worker``).
+- ``VerifiedSyncTrainer`` (the driver's trainer): at start-up, has every worker map where
+  each actor tensor lives in its parameters and, unless the run resumes (its first sync comes
+  first), compares what the engines hold with the actor's weights; around each sync, starts
+  the recording, then compares what every engine loaded and holds with what was sent
+  (``weight_digest.check_sync``). A difference stops the run with ``WeightSyncError`` naming
+  the engine, the parameters and the step.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
+import deepspeed
 import ray
 import torch
 
@@ -86,9 +92,39 @@ class SentDigestsActor:
     def sent_weight_digests(self) -> dict[str, Digest] | None:
         return self._sent_digests
 
+    def actor_weights(self, digests: bool) -> dict[str, tuple] | None:
+        """On rank 0, name -> (shape as sent, digest or None) of every tensor a sync sends
+        (``broadcast_to_vllm``'s selection); the digests need each parameter gathered, on every
+        rank, as the sync gathers it."""
+        trainer, rank0 = self.trainer, torch.distributed.get_rank() == 0
+        args = trainer.strategy.args
+        model = trainer.actor.model.module
+        vlm = getattr(trainer.actor, "is_vlm", False)
+        weights = {}
+        for name, param in model.named_parameters():
+            if vlm and not param.requires_grad:
+                continue
+            shape = tuple(param.ds_shape if args.ds.zero_stage == 3 else param.shape)
+            if not digests:
+                weights[name] = (shape, None)
+                continue
+            if args.ds.tensor_parallel_size > 1:
+                gather = deepspeed.module_inject.layers.GatherReplacedLayerParams(
+                    [param], model, enabled=True
+                )
+            else:
+                gather = deepspeed.zero.GatheredParameters([param], enabled=args.ds.zero_stage == 3)
+            with gather:
+                if rank0:
+                    weights[name] = (shape, digest(param.data))
+        return weights if rank0 else None
+
 
 class SyncReportingEngine:
     """Mixin of the vLLM engine's Ray class: the recorder's calls on all its workers."""
+
+    async def map_weight_layout(self, shapes: dict) -> None:
+        await self.llm.collective_rpc("map_weight_layout", args=(shapes,))
 
     async def begin_weight_sync(self) -> None:
         await self.llm.collective_rpc("begin_weight_sync")
@@ -100,14 +136,42 @@ class SyncReportingEngine:
 def worker_report(raw: dict) -> WorkerReport:
     return WorkerReport(
         loads={name: [tuple(p) for p in places] for name, places in raw["loads"].items()},
-        params={name: Digest(*value) for name, value in raw["params"].items()},
+        held={name: Digest(*value) for name, value in raw["held"].items()},
+        param=dict(raw["param"]),
+        unloaded=list(raw["unloaded"]),
     )
 
 
 class VerifiedSyncTrainer:
-    """Mixin of the driver's ``PPOTrainer``: every ``broadcast_to_vllm`` is checked."""
+    """Mixin of the driver's ``PPOTrainer``: the engines' first weights and every
+    ``broadcast_to_vllm`` are checked."""
 
     _sync_when = "at the start of the resumed run"
+
+    def _actor_weights(self, digests: bool) -> dict[str, tuple]:
+        ranks = ray.get(
+            self.actor_model_group.async_run_method(method_name="actor_weights", digests=digests)
+        )
+        return next(w for w in ranks if w is not None)
+
+    def _engine_reports(self) -> list[list[WorkerReport]]:
+        reports = ray.get([engine.weight_sync_report.remote() for engine in self.vllm_engines])
+        return [[worker_report(w) for w in r] for r in reports]
+
+    def init_checkpoint_states(self):
+        """Called once at the start of ``fit``, before any sync or rollout: map the layout
+        and, in a run that does not resume, check the weights vLLM loaded from disk."""
+        states = super().init_checkpoint_states()
+        if not _verifying(self.args) or not self.vllm_engines:
+            return states
+        resuming = states["global_step"] > 0
+        weights = self._actor_weights(digests=not resuming)
+        shapes = {name: shape for name, (shape, _) in weights.items()}
+        ray.get([engine.map_weight_layout.remote(shapes) for engine in self.vllm_engines])
+        if not resuming:
+            actor = {name: d for name, (_, d) in weights.items()}
+            check_sync(actor, self._engine_reports(), "before the first rollout", synced=False)
+        return states
 
     def train_step(self, rollout_samples, global_step: int):
         self._sync_when = f"after rollout step {global_step + 1}"
@@ -120,5 +184,4 @@ class VerifiedSyncTrainer:
         super().broadcast_to_vllm()
         ranks = ray.get(self.actor_model_group.async_run_method(method_name="sent_weight_digests"))
         sent = next(s for s in ranks if s is not None)
-        reports = ray.get([engine.weight_sync_report.remote() for engine in self.vllm_engines])
-        check_sync(sent, [[worker_report(w) for w in r] for r in reports], self._sync_when)
+        check_sync(sent, self._engine_reports(), self._sync_when)

@@ -1,24 +1,37 @@
-"""The vLLM side of the weight-sync check: which parameter each received tensor went into, and
-the digest of every parameter as the model samples with it (``weight_digest``).
+"""The vLLM side of the weight check: where each sent tensor lives in the model's parameters,
+which parameter each received tensor went into in a sync, and the digest of every sent
+tensor as the model holds it (``weight_digest``).
 
 A mixin of the worker extensions (``vllm_cpu_worker.CPUWorkerWrap`` on CPU,
 ``GPUWorkerWrap`` below on GPUs), so its methods run in every vLLM worker through the engine
-actor's ``collective_rpc``. Per sync: ``begin_weight_sync`` starts recording; each received
-tensor is loaded by vLLM's own ``load_weights`` (renamed, fused into ``qkv_proj`` /
-``gate_up_proj``, sharded); ``weight_sync_report`` returns what was recorded and the digests.
-Recording wraps each parameter's ``weight_loader`` (the call every vLLM model loader ends in),
-so a tensor that never reaches a parameter, or reaches the wrong one, shows.
+actor's ``collective_rpc``. Recording wraps each parameter's ``weight_loader`` (the call every
+vLLM model loader ends in), so a tensor that never reaches a parameter, or reaches the wrong
+one, shows.
+
+Places come from vLLM's own loaders: ``map_weight_layout`` (once, before the first rollout)
+passes each of the actor's tensor names through the model's ``load_weights`` with a tensor
+holding ``1 + position`` at each position, and lets each parameter's loader write it into a
+zeroed integer stand-in of the parameter (on the CPU, the real parameter untouched). What
+the loader wrote says which block of the parameter holds which block of the sent tensor
+(renamed, fused into ``qkv_proj`` / ``gate_up_proj``, sharded by rows or columns, KV heads
+replicated, vocabulary padded): ``weight_digest.Block``.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import torch
 from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
 
-from drpo_openrlhf.integration.weight_digest import digest
+from drpo_openrlhf.integration.weight_digest import (
+    Block,
+    Digest,
+    as_matrix,
+    block_from_positions,
+)
 
 
 def _shard_label(args: tuple, kwargs: dict) -> str:
@@ -27,26 +40,21 @@ def _shard_label(args: tuple, kwargs: dict) -> str:
     return ",".join(str(v) for v in values if not isinstance(v, torch.Tensor))
 
 
-def padding_elements(model: torch.nn.Module) -> dict[str, int]:
-    """Elements of vocabulary padding per parameter: vLLM pads embedding and LM-head rows to a
-    multiple of 64 per rank and fills them with zeros (``VocabParallelEmbedding``'s
-    ``weight_loader``); the actor has no such rows, so they are left out of the digest."""
-    padding = {}
-    for prefix, module in model.named_modules():
-        indices = getattr(module, "shard_indices", None)
-        weight = getattr(module, "weight", None)
-        if indices is None or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-            continue
-        rows = indices.num_org_vocab_padding + indices.num_added_vocab_padding
-        padding[f"{prefix}.weight" if prefix else "weight"] = rows * weight.shape[1]
-    return padding
+def position_tensor(shape: tuple[int, ...]) -> torch.Tensor:
+    """``1 + position`` at each row-major position of ``shape`` (int32 where it fits)."""
+    numel = math.prod(shape)
+    dtype = torch.int32 if numel < 2**31 - 1 else torch.int64
+    return torch.arange(1, numel + 1, dtype=dtype).reshape(shape)
 
 
 class WeightSyncRecorder:
-    """Worker-extension mixin: records each sync's loads and digests the model's parameters."""
+    """Worker-extension mixin: maps where each sent tensor lives, records each sync's loads
+    and digests what the model holds."""
 
     _drpo_loads: dict[str, list[tuple[str, str]]] | None = None
     _drpo_current: str | None = None
+    _drpo_shapes: dict[str, tuple[int, ...]] | None = None  # set while mapping
+    _drpo_layout: dict[str, list[tuple[str, Block | None]]] | None = None
 
     def _drpo_model(self) -> torch.nn.Module:
         return self.model_runner.model
@@ -79,12 +87,44 @@ class WeightSyncRecorder:
     def _drpo_recording_loader(self, param_name: str, loader):
         @functools.wraps(loader)
         def recording(param, loaded_weight, *args, **kwargs):
-            if self._drpo_loads is not None and self._drpo_current is not None:
+            name = self._drpo_current
+            if self._drpo_shapes is not None and name is not None:
+                return self._drpo_map(name, param_name, loader, param, loaded_weight, args, kwargs)
+            if self._drpo_loads is not None and name is not None:
                 place = (param_name, _shard_label(args, kwargs))
-                self._drpo_loads.setdefault(self._drpo_current, []).append(place)
+                self._drpo_loads.setdefault(name, []).append(place)
             return loader(param, loaded_weight, *args, **kwargs)
 
         return recording
+
+    def _drpo_map(self, name, param_name, loader, param, positions, args, kwargs) -> None:
+        """Run ``loader`` with ``positions`` into a zeroed integer stand-in of ``param`` and
+        keep the block it wrote."""
+        stand_in = torch.zeros(param.shape, dtype=positions.dtype)
+        real, grad = param.data, param.requires_grad
+        param.requires_grad_(False)  # an integer stand-in cannot require gradients
+        param.data = stand_in
+        try:
+            loader(param, positions, *args, **kwargs)
+        finally:
+            param.data = real
+            param.requires_grad_(grad)
+        where = f"{name!r} into vLLM parameter {param_name!r}"
+        block = block_from_positions(as_matrix(stand_in), self._drpo_shapes[name], where)
+        self._drpo_layout.setdefault(name, []).append((param_name, block))
+
+    def map_weight_layout(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        """Find, through vLLM's loaders, the block(s) of this worker's parameters that hold
+        each of the actor's tensors (``shapes``: name -> shape as sent)."""
+        self._drpo_instrument()
+        model = self._drpo_model()
+        self._drpo_layout, self._drpo_shapes = {}, dict(shapes)
+        try:
+            with torch.no_grad():
+                for name, shape in shapes.items():
+                    model.load_weights(weights=[(name, position_tensor(tuple(shape)))])
+        finally:
+            self._drpo_shapes = None
 
     def begin_weight_sync(self) -> None:
         """Start recording which parameter each received tensor is loaded into."""
@@ -92,16 +132,19 @@ class WeightSyncRecorder:
         self._drpo_loads = {}
 
     def weight_sync_report(self) -> dict[str, Any]:
-        """This sync's loads (name -> [(parameter, shard)]) and every parameter's digest
-        (``(numel, value)``, vocabulary padding excluded); ends the recording."""
-        model = self._drpo_model()
-        padding = padding_elements(model)
-        params = {}
-        for name, param in model.named_parameters():
-            d = digest(param.data).without_zeros(padding.get(name, 0))
-            params[name] = (d.numel, d.value)
+        """This sync's loads (name -> [(parameter, shard)]; empty outside a sync), and per
+        mapped name the digest (``(numel, value)``) of what holds it and that parameter's
+        name, and the parameters that hold no mapped name; ends the recording."""
+        if self._drpo_layout is None:
+            raise RuntimeError("weight_sync_report before map_weight_layout")
+        params = dict(self._drpo_model().named_parameters())
+        held, home = {}, {}
+        for name, blocks in self._drpo_layout.items():
+            d = sum((b.digest(params[p]) for p, b in blocks if b is not None), Digest())
+            held[name], home[name] = (d.numel, d.value), blocks[0][0]
         loads, self._drpo_loads = self._drpo_loads or {}, None
-        return {"loads": loads, "params": params}
+        unloaded = sorted(set(params) - set(home.values()))
+        return {"loads": loads, "held": held, "param": home, "unloaded": unloaded}
 
 
 class GPUWorkerWrap(WeightSyncRecorder, WorkerWrap):

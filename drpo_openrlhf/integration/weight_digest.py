@@ -1,12 +1,15 @@
-"""Exact, cheap digests of weight tensors, and the check that a weight sync arrived whole.
+"""Exact, cheap digests of weight tensors that see places as well as values, and the check that
+an engine holds exactly the weights the actor has.
 
-A digest is ``(numel, sum of h(bits(x)) mod 2**64)`` over a tensor's elements: an exact
-multiset hash of the raw bits. Being a sum, it is independent of element order, so the
-digest of a fused vLLM parameter (q, k and v in ``qkv_proj``) is the sum of the digests of
-the Hugging Face tensors loaded into it, and tensor-parallel shards add up the same way. A
-single changed bit changes the digest except with probability about 2**-64. ``h`` is
-splitmix64's finaliser, precomputed as a 65536-entry table for 16-bit dtypes (bf16, the
-only dtype OpenRLHF syncs) so a digest costs one table gather and one sum per element.
+A digest is ``(numel, sum of h(position, bits(x)) mod 2**64)`` over a tensor's elements, where
+``position`` is the element's row-major index in the tensor the actor sends (its Hugging Face
+shape) and ``h`` is splitmix64's finaliser of position and bits together. Being a sum, it adds
+up over pieces: a vLLM worker digests each block of a parameter that holds a piece of a sent
+tensor (a q/k/v or gate/up part of a fused parameter, a tensor-parallel shard, a replicated KV
+head) with the positions that piece had in the sent tensor (``Block``), and the pieces of all
+workers sum to the sent tensor's digest, times the number of copies. The same values in other
+places (rows permuted, a square matrix transposed, gate and up swapped) give another sum,
+except with probability about 2**-64; so does a single changed bit.
 
 Pure torch (no OpenRLHF or vLLM import): the actor, the vLLM workers and the tests share it.
 """
@@ -19,8 +22,9 @@ from dataclasses import dataclass, field
 import torch
 
 MASK64 = (1 << 64) - 1
-CHUNK = 1 << 24  # elements hashed at a time: bounds the int64 temporaries to 128 MiB
+CHUNK = 1 << 24  # elements hashed at a time: bounds the int64 temporaries to a few 128 MiB
 _C0, _C1, _C2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _signed(value: int) -> int:
@@ -40,23 +44,20 @@ def splitmix64(x: torch.Tensor) -> torch.Tensor:
     return z ^ _shift_right(z, 31)
 
 
-_TABLES: dict[torch.device, torch.Tensor] = {}
-
-
-def _table(device: torch.device) -> torch.Tensor:
-    if device not in _TABLES:
-        _TABLES[device] = splitmix64(torch.arange(1 << 16, dtype=torch.int64)).to(device)
-    return _TABLES[device]
-
-
-def zero_hash() -> int:
-    """The hash of one element whose bits are all zero (vLLM's vocabulary padding rows)."""
-    return int(_table(torch.device("cpu"))[0]) & MASK64
+def element_hashes(positions: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``h(position, bits)`` per element (int64 tensors of ``values``' shape). Up to 2-byte
+    dtypes (bf16: what OpenRLHF syncs) the position and the unsigned bits are packed into one
+    word and mixed once; wider values are mixed with a mixed position."""
+    size = values.element_size()
+    bits = values.contiguous().view(_BITS[size]).to(torch.int64)
+    if size > 2:
+        return splitmix64(splitmix64(positions) ^ bits)
+    return splitmix64((positions << (8 * size)) | (bits & ((1 << (8 * size)) - 1)))
 
 
 @dataclass(frozen=True)
 class Digest:
-    """Element count and bit-multiset hash of one or more tensors; digests add."""
+    """Element count and positional hash of one or more pieces of a tensor; digests add."""
 
     numel: int = 0
     value: int = 0
@@ -67,99 +68,173 @@ class Digest:
     def __mul__(self, times: int) -> Digest:
         return Digest(self.numel * times, (self.value * times) & MASK64)
 
-    def without_zeros(self, count: int) -> Digest:
-        """This digest less ``count`` all-zero-bit elements it is known to contain."""
-        return Digest(self.numel - count, (self.value - count * zero_hash()) & MASK64)
+
+def as_matrix(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` viewed as (first dimension, the rest): the frame ``Block`` works in."""
+    if tensor.dim() == 0:
+        return tensor.reshape(1, 1)
+    return tensor.reshape(tensor.shape[0], -1)
 
 
-@torch.no_grad()
+@dataclass(frozen=True)
+class Block:
+    """Where one piece of a sent tensor sits in a parameter, both seen ``as_matrix``: the
+    parameter's rows ``row:row+rows`` and columns ``col:col+cols`` hold the sent tensor's rows
+    ``src_row:src_row+rows`` and columns ``src_col:src_col+cols`` (of ``src_cols``)."""
+
+    row: int
+    col: int
+    rows: int
+    cols: int
+    src_row: int
+    src_col: int
+    src_cols: int
+
+    @torch.no_grad()
+    def digest(self, param: torch.Tensor) -> Digest:
+        """The digest of what ``param`` holds in this block, at the sent tensor's positions."""
+        held = as_matrix(param.detach())[self.row : self.row + self.rows]
+        held = held[:, self.col : self.col + self.cols]
+        step = max(1, CHUNK // max(1, self.cols))
+        cols = torch.arange(self.cols, dtype=torch.int64, device=held.device) + self.src_col
+        total = torch.zeros((), dtype=torch.int64, device=held.device)
+        for start in range(0, self.rows, step):
+            part = held[start : start + step]
+            rows = torch.arange(part.shape[0], dtype=torch.int64, device=held.device)
+            positions = (rows + self.src_row + start)[:, None] * self.src_cols + cols[None, :]
+            total += element_hashes(positions, part).sum()
+        return Digest(self.rows * self.cols, int(total) & MASK64)
+
+
+def whole(tensor: torch.Tensor) -> Block:
+    """The block that is all of ``tensor`` at its own positions."""
+    rows, cols = as_matrix(tensor).shape
+    return Block(0, 0, rows, cols, 0, 0, cols)
+
+
 def digest(tensor: torch.Tensor) -> Digest:
-    """The digest of ``tensor``'s elements (any dtype, any device, any layout)."""
-    flat = tensor.detach().contiguous().view(-1)
-    if flat.element_size() == 2:
-        bits, table = flat.view(torch.int16), _table(flat.device)
-    elif flat.element_size() in (1, 4, 8):
-        bits, table = (
-            flat.view({1: torch.int8, 4: torch.int32, 8: torch.int64}[flat.element_size()]),
-            None,
-        )
-    else:
-        raise TypeError(f"no digest for {tensor.dtype}")
-    total = torch.zeros((), dtype=torch.int64, device=flat.device)
-    for start in range(0, bits.numel(), CHUNK):
-        chunk = bits[start : start + CHUNK].to(torch.int64)
-        if table is not None:
-            total += table.index_select(0, chunk & 0xFFFF).sum()
-        else:
-            total += splitmix64(chunk).sum()
-    return Digest(flat.numel(), int(total) & MASK64)
+    """The digest of a sent tensor (any dtype, any device, any layout)."""
+    return whole(tensor).digest(tensor)
+
+
+class LayoutError(RuntimeError):
+    """A vLLM loader put a sent tensor into a parameter in a way ``Block`` cannot describe."""
+
+
+def block_from_positions(written: torch.Tensor, src_shape: torch.Size, where: str) -> Block | None:
+    """The ``Block`` a loader wrote, from ``written``: the parameter (``as_matrix``) after the
+    loader filled it from a tensor holding ``1 + position`` at each position, 0 where it wrote
+    nothing (vocabulary padding); None if it wrote nothing (a rank whose vocabulary shard is
+    all padding). Raises ``LayoutError`` unless the written elements form one rectangle holding
+    a rectangle of the sent tensor in order."""
+    hit = written > 0
+    rows = hit.any(dim=1).nonzero().flatten()
+    cols = hit.any(dim=0).nonzero().flatten()
+    if rows.numel() == 0:
+        return None
+    row, col = int(rows[0]), int(cols[0])
+    n_rows, n_cols = int(rows[-1]) - row + 1, int(cols[-1]) - col + 1
+    src_cols = as_matrix(torch.empty(src_shape, device="meta")).shape[1]
+    first = int(written[row, col]) - 1
+    block = Block(row, col, n_rows, n_cols, first // src_cols, first % src_cols, src_cols)
+    in_order = int(hit.sum()) == n_rows * n_cols
+    cols = torch.arange(n_cols, dtype=torch.int64)[None, :] + block.src_col + 1
+    step = max(1, CHUNK // n_cols)
+    for start in range(0, n_rows if in_order else 0, step):
+        held = written[row + start : row + min(n_rows, start + step), col : col + n_cols]
+        src_rows = torch.arange(held.shape[0], dtype=torch.int64) + block.src_row + start
+        if not torch.equal(held.to(torch.int64), src_rows[:, None] * src_cols + cols):
+            in_order = False
+            break
+    if not in_order:
+        raise LayoutError(f"{where}: the loader did not copy one rectangle of it in order")
+    return block
 
 
 @dataclass
 class WorkerReport:
-    """What one vLLM worker says after a sync: which parameter each received name was loaded
-    into (``loads``: name -> [(parameter, shard), ...]) and the digest of every parameter as
-    the model samples with it, vocabulary padding excluded (``params``)."""
+    """What one vLLM worker says: which parameter each received name was loaded into in the
+    last sync (``loads``: name -> [(parameter, shard), ...]; empty for the check before the
+    first rollout), and per sent name the digest of the blocks of its parameter that hold that
+    name's tensor, as the model samples with it (``held``)."""
 
     loads: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
-    params: dict[str, Digest] = field(default_factory=dict)
+    held: dict[str, Digest] = field(default_factory=dict)
+    param: dict[str, str] = field(default_factory=dict)  # name -> the parameter it lives in
+    unloaded: list[str] = field(default_factory=list)  # parameters no sent name fills
 
 
 class WeightSyncError(RuntimeError):
-    """A vLLM engine does not hold exactly the weights the actor sent in a sync."""
+    """A vLLM engine does not hold exactly the weights the actor has."""
 
 
 MAX_LISTED = 8  # problems listed per engine; the rest are counted
 
 
-def engine_problems(sent: Mapping[str, Digest], workers: list[WorkerReport]) -> list[str]:
-    """Everything in which one engine's workers (its tensor-parallel ranks) differ from the
-    sync that ``sent`` describes; empty when the engine holds exactly what was sent.
+def _load_problems(sent: Mapping[str, Digest], worker: WorkerReport, where: str) -> list[str]:
+    problems = []
+    for name in sent:
+        places = worker.loads.get(name, [])
+        if not places:
+            problems.append(f"{name!r} was sent but not loaded{where}")
+        elif len(places) > 1:
+            problems.append(f"{name!r} was loaded {len(places)} times: {places}{where}")
+    for name in sorted(set(worker.loads) - set(sent)):
+        problems.append(f"{name!r} was loaded but not sent in this sync{where}")
+    loaded = {param for places in worker.loads.values() for param, _ in places}
+    for param in sorted(set(worker.param.values()) - loaded):
+        problems.append(f"vLLM parameter {param!r} was not loaded by this sync{where}")
+    return problems
 
-    Per worker: every sent name was loaded exactly once, nothing else was loaded, and every
-    parameter was loaded. Per parameter, over the workers: the digests sum to ``m`` times the
-    sum of the sent digests of the names loaded into it, with one integer ``m`` in
-    ``1..len(workers)`` (1: sharded over the ranks; tensor-parallel size: replicated)."""
+
+def engine_problems(
+    sent: Mapping[str, Digest], workers: list[WorkerReport], synced: bool = True
+) -> list[str]:
+    """Everything in which one engine's workers (its tensor-parallel ranks) differ from the
+    actor's tensors ``sent``; empty when the engine holds exactly them.
+
+    Per worker, when ``synced`` (after a sync): every sent name was loaded exactly once,
+    nothing else was loaded, and every parameter was loaded. Always: every parameter is filled
+    by some sent name, and per sent name the workers' digests of the blocks holding it sum to
+    ``m`` times its sent digest, ``m`` being how many copies of it the workers hold (1: sharded
+    over the ranks or one rank; tensor-parallel size: replicated; in between: KV heads
+    replicated on some ranks)."""
     problems: list[str] = []
     for rank, worker in enumerate(workers):
         where = f" (worker {rank})" if len(workers) > 1 else ""
-        for name in sent:
-            places = worker.loads.get(name, [])
-            if not places:
-                problems.append(f"{name!r} was sent but not loaded{where}")
-            elif len(places) > 1:
-                problems.append(f"{name!r} was loaded {len(places)} times: {places}{where}")
-        for name in sorted(set(worker.loads) - set(sent)):
-            problems.append(f"{name!r} was loaded but not sent in this sync{where}")
-        loaded = {param for places in worker.loads.values() for param, _ in places}
-        for param in sorted(set(worker.params) - loaded):
-            problems.append(f"vLLM parameter {param!r} was not loaded by this sync{where}")
+        for param in worker.unloaded:
+            problems.append(f"vLLM parameter {param!r} holds no tensor the actor has{where}")
+        if synced:
+            problems += _load_problems(sent, worker, where)
     if problems:
         return problems
-    into: dict[str, list[str]] = {}
-    for name, places in workers[0].loads.items():
-        into.setdefault(places[0][0], []).append(name)
-    for param, names in sorted(into.items()):
-        expected = sum((sent[name] for name in names), Digest())
-        held = sum((worker.params.get(param, Digest()) for worker in workers), Digest())
-        if not any(held == expected * m for m in range(1, len(workers) + 1)):
+    for name, expected in sent.items():
+        held = sum((worker.held.get(name, Digest()) for worker in workers), Digest())
+        param = next((w.param[name] for w in workers if name in w.param), None)
+        if param is None:
+            problems.append(f"{name!r} is in no vLLM parameter")
+            continue
+        copies, rest = divmod(held.numel, expected.numel) if expected.numel else (1, 0)
+        if rest or not 1 <= copies <= len(workers) or held != expected * copies:
             problems.append(
-                f"vLLM parameter {param!r} holds other values than the actor sent for "
-                f"{', '.join(repr(n) for n in names)} ({held.numel} elements held, "
-                f"{expected.numel} sent)"
+                f"vLLM parameter {param!r} holds other values or places than the actor's "
+                f"{name!r} ({held.numel} elements held, {expected.numel} sent)"
             )
     return problems
 
 
 def check_sync(
-    sent: Mapping[str, Digest], engines: Iterable[list[WorkerReport]], when: str
+    sent: Mapping[str, Digest],
+    engines: Iterable[list[WorkerReport]],
+    when: str,
+    synced: bool = True,
 ) -> None:
     """Raise ``WeightSyncError`` naming the engine(s), parameters and ``when`` (the rollout
-    step) if any engine does not hold exactly what the actor sent."""
+    step) if any engine does not hold exactly the actor's tensors ``sent``."""
     engines = list(engines)
     lines = []
     for index, workers in enumerate(engines):
-        problems = engine_problems(sent, workers)
+        problems = engine_problems(sent, workers, synced)
         if problems:
             lines.append(f"  engine {index} of {len(engines)}:")
             lines += [f"    {p}" for p in problems[:MAX_LISTED]]
@@ -168,6 +243,6 @@ def check_sync(
     if lines:
         raise WeightSyncError(
             f"weight sync check failed {when}: the vLLM engines do not hold the weights the "
-            f"actor sent ({len(sent)} tensors), so rollouts would come from a stale or broken "
-            "policy:\n" + "\n".join(lines)
+            f"actor {'sent' if synced else 'has'} ({len(sent)} tensors), so rollouts would "
+            "come from a stale or broken policy:\n" + "\n".join(lines)
         )

@@ -1,0 +1,96 @@
+"""The weight check sees places, and the engines' first weights, through
+``python -m drpo_openrlhf.train`` with real vLLM CPU engines (issue 35).
+
+Breakages from ``tests/sync_break_site`` (``sync_breakage.py``), chosen per test through the
+file ``DRPO_TEST_SYNC_BREAK`` names, so one Ray cluster serves the module. Right values in
+the wrong places (rows reversed, a square matrix transposed, gate and up swapped) must stop
+the run at the first sync; an engine whose first weights are not the actor's must stop it
+before the first rollout. That the guard is what stops them:
+``test_weight_sync_guard.py``'s control runs the same breakages with the guard off to the end.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+from test_e2e_pipeline import train
+
+from drpo_openrlhf.demo.run import local_ray_cluster
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+SITE = Path(__file__).parent / "sync_break_site"
+GUARD = "weight sync check failed"
+LAYER0, LAYER1 = "model.layers.0", "model.layers.1"
+# engine 0: k's rows reversed, a square o_proj transposed; engine 1: gate and up swapped
+PLACES = {
+    "0": {
+        "permute": f"{LAYER0}.self_attn.k_proj.weight",
+        "transpose": f"{LAYER1}.self_attn.o_proj.weight",
+    },
+    "1": {"swap": [f"{LAYER1}.mlp.gate_proj.weight", f"{LAYER1}.mlp.up_proj.weight"]},
+}
+CHANGED = f"{LAYER1}.mlp.down_proj.weight"  # the one tensor the other checkpoint changes
+
+
+@pytest.fixture(scope="module")
+def break_file(tmp_path_factory):
+    return tmp_path_factory.mktemp("sync-break") / "breaks.json"
+
+
+@pytest.fixture(scope="module")
+def ray_address(break_file):
+    """One cluster for the module; its workers inherit the break site and the break file."""
+    break_file.write_text("{}")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PYTHONPATH", str(SITE))
+        env.setenv("DRPO_TEST_SYNC_BREAK", f"@{break_file}")
+        with local_ray_cluster(num_gpus=3) as address:
+            yield address
+
+
+def another_checkpoint(toy, folder: Path) -> Path:
+    """The actor's checkpoint with one element of one tensor moved by one bf16 step."""
+    shutil.copytree(toy["base"], folder)
+    weights = load_file(folder / "model.safetensors")
+    changed = weights[CHANGED].clone()
+    changed.view(-1)[7] = changed.view(-1)[7].bfloat16().float() * (1 + 2**-7)
+    weights[CHANGED] = changed
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def test_values_in_other_places_stop_the_run_at_the_first_sync(
+    toy, ray_address, break_file, tmp_path
+):
+    break_file.write_text(json.dumps(PLACES))
+    done = train(toy, tmp_path, "--vllm.num_engines", "2", ray_address=ray_address, steps=2)
+    assert done.returncode != 0
+    out = done.output
+    assert f"{GUARD} after rollout step 1" in out, out[-3000:]
+    engine0, engine1 = out.split("engine 0 of 2:")[1].split("engine 1 of 2:")
+    for broken in PLACES["0"].values():
+        assert f"holds other values or places than the actor's '{broken}'" in engine0, broken
+    for broken in PLACES["1"]["swap"]:
+        assert f"holds other values or places than the actor's '{broken}'" in engine1, broken
+    assert "'model.layers.1.mlp.gate_up_proj.weight'" in engine1
+    assert "Global step 2:" not in out
+
+
+def test_an_engine_started_from_another_checkpoint_stops_before_the_first_rollout(
+    toy, ray_address, break_file, tmp_path
+):
+    other = another_checkpoint(toy, tmp_path / "other")
+    break_file.write_text(json.dumps({"0": {"start_from": str(other)}}))
+    done = train(toy, tmp_path / "run", ray_address=ray_address, steps=2)
+    assert done.returncode != 0
+    out = done.output
+    assert "SYNC BREAK: first weights loaded from" in out
+    assert f"{GUARD} before the first rollout" in out, out[-3000:]
+    assert f"the actor's '{CHANGED}'" in out
+    assert out.count("holds other values or places") == 1
+    assert "Global step 1:" not in out
