@@ -87,6 +87,7 @@ SYSTEM_ROWS = "system in rows"  # math-verify cannot parse \begin{cases}
 TRAILING_BACKSLASH = "trailing backslash"  # \boxed{42\} parses to nothing
 UNIT_WORDS = "unit glued or in words"  # 9weeks, 15 cubic centimeters: a product of symbols
 NAMED_INTERVAL = "variable before an interval"  # s(1,7] is a function value to math-verify
+BRACED_SUBSCRIPT = "subscripts with and without braces"  # math-verify cannot parse E_{1},E_{2}
 NO_THINK_END = "no </think>"  # a response cut at the length limit
 EXPLAINED: dict[tuple[str, str], str] = {
     ("6.43 \\times 10^{16}", "6.43e16"): E_NOTATION,
@@ -117,6 +118,8 @@ EXPLAINED: dict[tuple[str, str], str] = {
     ("15 cubic centimeters", "15 \\text{ cm}^3"): UNIT_WORDS,
     ("s(1,7]", "(1,7]"): NAMED_INTERVAL,
     ("s(1,7]", "s \\in (1, 7]"): NAMED_INTERVAL,
+    ("E_{1},E_{2}", "E_1, E_2"): BRACED_SUBSCRIPT,
+    ("E_{1},E_{2}", "E_1,E_2"): BRACED_SUBSCRIPT,
 }
 
 

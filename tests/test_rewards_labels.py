@@ -180,6 +180,7 @@ CASES = {
         ("\\lambda = 500", "500", True),
         ("x = 5", "x = 5", True),
         ("\\tan(\\theta) = 2", "\\tan(\\theta) = 2", True),
+        ("\\tan(\\theta) = 2", "2", True),  # math-verify's reading of an assignment
         ("\\tan(\\theta) = 2", "\\sin(\\theta) = 2", False),  # another left-hand side
         ("x = 5", "y = 5", False),
         ("f(x) = 2x", "g(x) = 3x", False),
@@ -196,6 +197,9 @@ CASES = {
         ("P(1,7)", "(1,7)", False),  # a point, not an interval
     ],
     "subscripts with and without braces": [
+        ("E_{1},E_{2}", "E_1, E_2", True),  # math-verify cannot parse these E's
+        ("E_1,E_2", "E_{1},E_{2}", True),
+        ("E_{1},E_{2}", "E_1, E_3", False),
         ("F_{1},F_{2}", "F_1, F_2", True),
         ("F_1,F_2", "F_{1}, F_{2}", True),
         ("y_{1}, y_{2}", "y_1,y_2", True),

@@ -48,16 +48,10 @@ _GLUED_UNIT = re.compile(
     r"|miles?|mph|feet|foot|ft|inch(?:es)?|yards?|pounds?|lbs?|ounces?|oz|gallons?|acres?"
     rf"|dollars?|cents?|degrees?|units?|people|persons?|times|ways){_EXPONENT}"
 )
-# Names whose value a ``name = value`` label also accepts alone: a letter or Greek letter
-# with a subscript and primes, or a function of variables named by one letter (``f(x)``,
-# ``f^{-1}(x)``); never ``\sin(x)``, whose argument is part of the answer.
-_GREEK = (
-    r"\\(?:alpha|beta|gamma|delta|(?:var)?epsilon|zeta|eta|(?:var)?theta|iota|kappa|lambda|mu"
-    r"|nu|xi|(?:var)?pi|(?:var)?rho|(?:var)?sigma|tau|upsilon|(?:var)?phi|chi|psi|omega"
-    r"|Gamma|Delta|Theta|Lambda|Xi|Pi|Sigma|Upsilon|Phi|Psi|Omega)(?![A-Za-z])"
-)
+# Names whose value a ``name = value`` label also accepts alone: a letter or command with a
+# subscript and primes, or a function of letters (``f(x)``, ``f^{-1}(x)``).
 _NAME = re.compile(
-    rf"(?:[A-Za-z]|{_GREEK})(?:_\s*(?:\{{[A-Za-z0-9,\\ ]+\}}|[A-Za-z0-9]))?'*"
+    r"(?:[A-Za-z]|\\[A-Za-z]+)(?:_\s*(?:\{[A-Za-z0-9,\\ ]+\}|[A-Za-z0-9]))?'*"
     r"(?:\^\s*\{-1\})?'*(?:\s*\(\s*[A-Za-z](?:\s*,\s*[A-Za-z])*\s*\))?"
 )
 # A numeric left side (``2^{10} = 1024``): digits and arithmetic only.
@@ -335,7 +329,7 @@ def value_forms(form: str) -> list[str]:
     """What a (canonical) label also accepts alone when the answer is not an equation: the
     value of ``name = value`` or of a chain ``a = b = 0``, when every left side is a bare name
     (``y``, ``X_{d}``, ``\\lambda``, ``f(x)``) or arithmetic (``2^{10} = 1024``), and the
-    interval of ``t(0,4]``. ``\\sin(x) = 0.7`` has none: its left side is part of the answer."""
+    interval of ``t(0,4]``."""
     interval = _NAMED_INTERVAL.fullmatch(form)
     if interval and ("[" in form or "]" in form):  # "P(0,4)" is a point, "f(1,2)" a value
         return [interval.group(1)]
