@@ -20,10 +20,11 @@ from drpo_openrlhf.algo.config import KL_ESTIMATES, PENALTY_FORMS
 from drpo_openrlhf.algo.length_reward import LENGTH_REWARDS
 from drpo_openrlhf.algo.shaper import GroupRewardShaper
 from drpo_openrlhf.algo.shaping import METHODS
-from drpo_openrlhf.integration import memory_plan, preflight
+from drpo_openrlhf.integration import memory_plan, openrlhf_flags, preflight
 from drpo_openrlhf.integration.checkpoints import innermost, prepare_resume, stop_message
 from drpo_openrlhf.integration.device import DEVICES
 from drpo_openrlhf.integration.graceful_stop import StopRequested, clear_stale_request
+from drpo_openrlhf.integration.tokenizer_check import check_tokenizer
 from drpo_openrlhf.integration.layout import Layout, data_parallel_size
 from drpo_openrlhf.openrlhf_cli import openrlhf_parser
 from drpo_openrlhf.rewards import positive_reward
@@ -133,7 +134,9 @@ def add_drpo_arguments(parser: argparse.ArgumentParser) -> None:
         "--drpo.max_len",
         type=int,
         default=None,
-        help="C of the length reward (default: --rollout.max_new_tokens)",
+        help="C of the length reward (default: --rollout.max_new_tokens; where that is unset, "
+        "--data.max_len, since OpenRLHF then lets each response fill --data.max_len minus its "
+        "prompt)",
     )
     g.add_argument(
         "--drpo.positive_reward",
@@ -344,13 +347,14 @@ def check_positive_reward(args: argparse.Namespace, baseline: bool) -> str:
             "--drpo.positive_reward ranks DRPO's correct responses; the baselines "
             "(--shaping.method) shape rewards by length: drop one of the two"
         )
-    max_len = getattr(args, "drpo.max_len") or getattr(args, "rollout.max_new_tokens")
-    return preflight.check_positive_reward(spec, max_len, getattr(args, "drpo.length_reward"))
+    c = openrlhf_flags.length_reward_c(args)
+    return preflight.check_positive_reward(spec, c, getattr(args, "drpo.length_reward"))
 
 
 def check_inputs(args: argparse.Namespace) -> None:
     """Model, reward file and local datasets, before anything starts (``preflight``)."""
     preflight.check_model(getattr(args, "actor.model_name_or_path"))
+    check_tokenizer(getattr(args, "actor.model_name_or_path"))
     for flag in ("ckpt.path", "ckpt.output_dir"):
         preflight.check_writable(getattr(args, flag), f"--{flag}")
     for url in (getattr(args, "reward.remote_url") or "").split(","):
@@ -411,6 +415,7 @@ def parse(argv: list[str]) -> tuple[DRPOConfig, SimpleNamespace, list[str]]:
         resume=getattr(args, "ckpt.load_enable"),
     )
     try:
+        openrlhf_flags.check(args)
         if method:  # PPO on shaped rewards: OpenRLHF validates its own flags
             GroupRewardShaper(method, getattr(args, "rollout.n_samples_per_prompt"), **run.params)
             refuse_unsafe_dynamic_batching(args)
@@ -423,6 +428,8 @@ def parse(argv: list[str]) -> tuple[DRPOConfig, SimpleNamespace, list[str]]:
         check_inputs(args)
         positive_reward = check_positive_reward(args, baseline=bool(method))
         config = replace(config, positive_reward=positive_reward)
+        if getattr(args, "rollout.max_new_tokens") is None:  # no budget: C from --data.max_len
+            config = replace(config, max_len=openrlhf_flags.length_reward_c(args))
         memory = memory_plan.check(args)
     except ValueError as error:  # LayoutError included
         parser.error(str(error))

@@ -178,7 +178,7 @@ def test_default_reaches_deepspeeds_config(mode):
 
     base = [
         *("--actor.model_name_or_path", "some/model", "--rollout.n_samples_per_prompt", "8"),
-        *("--rollout.batch_size", "128", "--train.batch_size", "256"),
+        *("--rollout.batch_size", "128", "--train.batch_size", "256", "--vllm.num_engines", "8"),
         *("--train.micro_batch_size", "4", *mode),
     ]
     for extra, expected in [([], "fp32"), (["--ds.grad_accum_dtype", "bf16"], "bf16")]:
@@ -219,7 +219,7 @@ def test_zero1_sleep_with_fp32_accumulation_is_refused_as_deepspeed_cannot_offlo
     assert found == {"fp32": ("BF16_Optimizer", False), "bf16": ("DeepSpeedZeroOptimizer", True)}
     base = [
         *("--actor.model_name_or_path", "some/model", "--rollout.n_samples_per_prompt", "8"),
-        *("--rollout.batch_size", "128", "--train.batch_size", "256"),
+        *("--rollout.batch_size", "128", "--train.batch_size", "256", "--vllm.num_engines", "8"),
         *("--train.micro_batch_size", "4", "--ds.enable_sleep"),
     ]
     with pytest.raises(SystemExit):

@@ -31,6 +31,7 @@ from drpo_openrlhf.rewards.preference import (
 
 TRAIN = [
     *("--actor.model_name_or_path", "some/model", "--rollout.max_new_tokens", "100"),
+    *("--vllm.num_engines", "1"),
     *("--rollout.n_samples_per_prompt", "8", "--rollout.batch_size", "16"),
     *("--train.batch_size", "64", "--train.micro_batch_size", "4"),
 ]

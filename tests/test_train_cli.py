@@ -11,6 +11,8 @@ from drpo_openrlhf import train
 BASE = [
     "--actor.model_name_or_path",
     "some/model",
+    "--vllm.num_engines",
+    "8",
     "--rollout.n_samples_per_prompt",
     "8",
     "--rollout.batch_size",
@@ -59,7 +61,8 @@ def test_parse_applies_drpo_defaults_and_keeps_user_values():
             "0.7",
         ]
     )
-    assert math.isinf(config.lam) and config.tau == 5 and config.max_len is None
+    assert math.isinf(config.lam) and config.tau == 5
+    assert config.max_len == 2048  # no --rollout.max_new_tokens: C = --data.max_len
     assert not any(a.startswith("--drpo.") for a in argv)
     assert value_after(argv, "--algo.kl.init_coef") == ["0"]
     assert value_after(argv, "--actor.adam.betas") == ["0.9", "0.999"]
