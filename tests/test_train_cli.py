@@ -163,6 +163,16 @@ def test_ring_attention_is_refused_on_a_cpu_run(entry_point, capsys):
     assert "name" not in entry_point  # OpenRLHF never started
 
 
+def test_vllm_tensor_parallel_is_refused_on_a_cpu_run(entry_point, capsys):
+    """OpenRLHF starts a TP engine on vLLM's Ray executor, which vLLM's CPU build refuses: the
+    engine died at start-up and the run waited (issue 34, finding 7)."""
+    with pytest.raises(SystemExit) as exit_info:
+        train.main([*BASE, "--vllm.tensor_parallel_size", "2"])
+    assert exit_info.value.code == 2
+    assert "--vllm.tensor_parallel_size > 1 runs vLLM's Ray executor" in capsys.readouterr().err
+    assert "name" not in entry_point  # OpenRLHF never started
+
+
 def test_flags_at_their_openrlhf_default_are_accepted():
     train.parse([*BASE, "--train.max_epochs", "1", "--actor.eps_clip", "0.2"])
 

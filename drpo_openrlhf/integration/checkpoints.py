@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from drpo_openrlhf.integration.engine_start import start_failure
+
 MARKER = "drpo_complete.json"
 ASIDE = "_incomplete"  # under --ckpt.path, beside _actor, out of OpenRLHF's rotation
 
@@ -153,6 +155,9 @@ def stop_message(error: BaseException, ckpt_path: str | None) -> str:
     line = f"{name}: {lines[0]}" if lines else name
     hint = HINTS.get(name)
     text = f"the run stopped: {hint} ({line})" if hint else f"the run stopped: {line}"
+    failed_start = start_failure(cause)  # Ray's first line names the actor, not the error
+    if failed_start:
+        text = f"the run stopped: {failed_start}"
     checkpoint = last_checkpoint(ckpt_path)
     if checkpoint is None:
         return text + ". No complete checkpoint: a rerun starts from the beginning."

@@ -32,12 +32,22 @@ def has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-def check_layout(zero_stage: int, actor_ranks: int, ring_attn_size: int = 1) -> None:
+def check_layout(
+    zero_stage: int, actor_ranks: int, ring_attn_size: int = 1, vllm_tensor_parallel: int = 1
+) -> None:
     """Refuse what a CPU run cannot do reliably. ZeRO-3 over several gloo ranks: OpenRLHF
     loads the model under ``zero.Init``, whose gathers wait on the last of their async gloo
     all-gathers only; on CPU the others can still be running and some loaded shards come out
     as uninitialised memory (docs/status.md). NCCL completes them in order, so GPUs are fine.
-    Ring attention: it runs on flash-attn's kernels, which exist only for CUDA."""
+    Ring attention: it runs on flash-attn's kernels, which exist only for CUDA. vLLM tensor
+    parallelism: OpenRLHF runs such engines on vLLM's Ray executor, which vLLM's CPU platform
+    refuses (``ValueError: current platform cpu does not support ray``)."""
+    if vllm_tensor_parallel > 1:
+        raise ValueError(
+            "--vllm.tensor_parallel_size > 1 runs vLLM's Ray executor, which vLLM's CPU build "
+            "does not support: use --vllm.tensor_parallel_size 1 (more --vllm.num_engines "
+            "instead)"
+        )
     if ring_attn_size > 1:
         raise ValueError(
             "--ds.ring_attn_size > 1 needs flash-attn's CUDA kernels (ring_flash_attn), which "

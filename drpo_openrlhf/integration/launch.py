@@ -101,7 +101,12 @@ def run_openrlhf(openrlhf_argv: list[str], config: DRPOConfig, run: SimpleNamesp
         if cpu:
             args = vars(openrlhf_parser().parse_args(openrlhf_argv))
             ranks = args["actor.num_nodes"] * args["actor.num_gpus_per_node"]
-            cpu_support.check_layout(args["ds.zero_stage"], ranks, args["ds.ring_attn_size"])
+            cpu_support.check_layout(
+                args["ds.zero_stage"],
+                ranks,
+                args["ds.ring_attn_size"],
+                args["vllm.tensor_parallel_size"],
+            )
     except ValueError as error:  # DeviceError included: a usage error, answered as argparse does
         print(f"python -m drpo_openrlhf.train: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None

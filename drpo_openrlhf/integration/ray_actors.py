@@ -19,7 +19,7 @@ from openrlhf.trainer.ray import ppo_actor, vllm_engine
 from drpo_openrlhf.algo import DRPOConfig
 from drpo_openrlhf.algo.logprob_gap import GapLimit, logprob_gap, pooled_gap
 from drpo_openrlhf.algo.shaper import GroupRewardShaper
-from drpo_openrlhf.integration import chunked_actor
+from drpo_openrlhf.integration import chunked_actor, engine_start
 from drpo_openrlhf.integration.actor_trainer import DRPOActorTrainer, FiniteCheckedPPOTrainer
 from drpo_openrlhf.integration.checkpoints import CompleteCheckpointActor
 from drpo_openrlhf.integration.cpu_support import CPU_WORKER_EXTENSION
@@ -62,6 +62,7 @@ class _BaselinePolicyModelActor(
     log-probs are computed in chunks, as DRPO's."""
 
     def init_model_from_pretrained(self, strategy, *args, **kwargs):
+        engine_start.install()
         super().init_model_from_pretrained(strategy, *args, **kwargs)
         chunked_actor.install(self.actor, strategy.args.drpo_run.logprob_chunk_tokens)
         self.trainer.__class__ = FiniteCheckedPPOTrainer
@@ -71,6 +72,7 @@ class _DRPOPolicyModelActor(
     CompleteCheckpointActor, SentDigestsActor, ppo_actor.PolicyModelActor.__ray_actor_class__
 ):
     def init_model_from_pretrained(self, strategy, *args, **kwargs):
+        engine_start.install()
         super().init_model_from_pretrained(strategy, *args, **kwargs)
         chunked_actor.install(self.actor, strategy.args.drpo_run.logprob_chunk_tokens)
         config = DRPOConfig(**vars(strategy.args.drpo))
