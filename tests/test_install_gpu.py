@@ -469,7 +469,8 @@ class RemoteFile:
             end = min(start + self.BLOCK, self.size) - 1
             request = urllib.request.Request(self.url, headers={"Range": f"bytes={start}-{end}"})
             with urllib.request.urlopen(request, timeout=30) as response:
-                assert response.status == 206, f"{self.url}: no byte ranges"
+                if response.status != 206:  # the index's server (or a proxy) ignores ranges
+                    raise OSError(f"{self.url}: no byte ranges (HTTP {response.status})")
                 self.blocks[index] = response.read()
         return self.blocks[index]
 
