@@ -8,6 +8,7 @@ node must be able to ``import drpo_openrlhf`` (same environment, or a ``runtime_
 from __future__ import annotations
 
 import logging
+import os
 from contextlib import nullcontext
 from dataclasses import asdict
 
@@ -231,9 +232,14 @@ class _CPURolloutRayActor(
     PositiveRewardEngine, SyncReportingEngine, vllm_engine.RolloutRayActor.__ray_actor_class__
 ):
     """OpenRLHF's vLLM engine actor with the CPU worker extension (``cpu_support``), the
-    reward guard (``reward_guard``) and DRPO's positive reward (``positive_engine``)."""
+    reward guard (``reward_guard``) and DRPO's positive reward (``positive_engine``).
+
+    Its one worker runs inside vLLM's engine-core process: vLLM's CPU platform turns
+    OpenRLHF's single-process executor into a multiprocess one unless V1 multiprocessing is
+    off, which costs a third process importing vLLM (about 10 s of every CPU start-up)."""
 
     async def __init__(self, *args, **kwargs):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         kwargs["worker_extension_cls"] = CPU_WORKER_EXTENSION
         await super().__init__(*args, **kwargs)
         guard_engine_rewards(self.executor)
