@@ -34,8 +34,9 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format drpo_openrlhf tests scripts
 	$(VENV)/bin/ruff check --fix drpo_openrlhf tests scripts
 
+# the slowest tests are printed at the end, so the suite's cost stays visible (issue 36)
 test: lint
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=30 --durations-min=5
 
 # DRPO vs a length-penalised baseline on a toy task through python -m drpo_openrlhf.train, CPU only (docs/demo.md).
 demo: $(STAMP)
