@@ -1,16 +1,18 @@
-"""The demo's policy before fine-tuning: a small random Qwen2 with the tiny test tokenizer.
+"""The demo's policy before fine-tuning: a small random Qwen2 (or Llama) with the tiny test
+tokenizer.
 
 ``drpo_openrlhf.tiny_model`` already builds, offline, a tokenizer whose corpus covers the toy
-task's text (digits one per token, ``<think>``, ``\\boxed``, "Wait, let me check"); its
-100K-parameter model is too small to learn multi-step addition in minutes, so this module
-keeps that tokenizer and configuration and only changes the network's size.
+task's text (digits, ``<think>``, ``\\boxed``, "Wait, let me check"); its 100K-parameter model
+is too small to learn multi-step addition in minutes, so this module keeps that tokenizer and
+architecture and only changes the network's size. ``architecture="llama"`` gives the 8B
+recipe's architecture and chat format (``tiny_model``'s docstring) at the same size.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from drpo_openrlhf.tiny_model import build_tiny_model
+from drpo_openrlhf.tiny_model import build_model, build_tiny_model, model_config
 
 HEAD_DIM = 32
 
@@ -21,39 +23,35 @@ def build_toy_model(
     hidden_size: int = 128,
     num_layers: int = 3,
     seed: int = 0,
+    architecture: str = "qwen2",
 ) -> Path:
     """Writes a randomly initialised model + tokenizer to ``output_dir`` (an HF directory).
 
-    Heads are ``HEAD_DIM`` wide: the smallest head size vLLM's CPU attention supports."""
+    Heads are ``HEAD_DIM`` wide: the smallest head size vLLM's CPU attention supports. The
+    Llama variant groups two query heads per key/value head where it can, as the 8B does."""
     if hidden_size % HEAD_DIM:
         raise ValueError(f"hidden_size must be a multiple of {HEAD_DIM}, got {hidden_size}")
     num_heads = hidden_size // HEAD_DIM
-    import torch
-    from transformers import (
-        AutoConfig,
-        AutoTokenizer,
-        GenerationConfig,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-    )
+    from transformers import AutoTokenizer, GenerationConfig
 
     output_dir = Path(output_dir)
-    tiny = build_tiny_model(output_dir.parent / f".{output_dir.name}-tokenizer", seed=seed)
-    settings = AutoConfig.from_pretrained(tiny).to_dict()
-    settings.pop("layer_types", None)  # derived from the number of layers
-    settings.update(
+    tiny = build_tiny_model(
+        output_dir.parent / f".{output_dir.name}-tokenizer", seed=seed, architecture=architecture
+    )
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    grouped = architecture == "llama" and num_heads % 2 == 0
+    config = model_config(
+        tokenizer,
+        architecture,
         hidden_size=hidden_size,
         intermediate_size=4 * hidden_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
+        num_key_value_heads=num_heads // 2 if grouped else num_heads,
         max_position_embeddings=512,
     )
-    config = Qwen2Config(**settings)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
+    model = build_model(config, seed)
     model.generation_config = GenerationConfig.from_pretrained(tiny)
     model.save_pretrained(output_dir)
-    AutoTokenizer.from_pretrained(tiny).save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
     return output_dir

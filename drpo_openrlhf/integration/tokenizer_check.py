@@ -1,0 +1,55 @@
+"""Refuse a local model whose tokenizer transformers would load as another tokenizer.
+
+OpenRLHF and vLLM load the tokenizer with ``AutoTokenizer.from_pretrained(path)``. In
+transformers 5, a ``tokenizer_config.json`` naming ``LlamaTokenizerFast`` over a byte-level
+``tokenizer.json`` (Llama 3's kind: DeepSeek-R1-Distill-Llama-8B ships exactly that) gets
+``LlamaTokenizer``, which rebuilds a SentencePiece-style tokenizer around the vocabulary: spaces
+vanish from every prompt and the decoded responses are garbled, silently (transformers issue
+45488). transformers special-cases the Hub ids ``deepseek-ai/deepseek-r1-distill-*``, so a run
+from the Hub id works and the same model from a local copy (an offline cluster, a DRPO
+checkpoint) does not. Compared here: the tokenizer as loaded against ``tokenizer.json`` itself.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# spaces, digits, punctuation and line breaks: what a rebuilt tokenizer gets wrong
+PROBE = "What is 12 + 345? Let me check:\n  the sum is 357."
+
+
+def tokenizer_problem(model_dir: Path) -> str | None:
+    """What is wrong with ``model_dir``'s tokenizer as transformers loads it, or None (also
+    when the directory has no ``tokenizer.json`` to compare with)."""
+    file = model_dir / "tokenizer.json"
+    if not file.is_file():
+        return None
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    expected = Tokenizer.from_file(str(file)).encode(PROBE, add_special_tokens=False).ids
+    loaded = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=True)
+    got = loaded(PROBE, add_special_tokens=False)["input_ids"]
+    if got == expected:
+        return None
+    config = model_dir / "tokenizer_config.json"
+    declared = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
+    return (
+        f"transformers loads its tokenizer as {type(loaded).__name__} (tokenizer_config.json "
+        f"names {declared!r}), which encodes text otherwise than its tokenizer.json "
+        f"({len(got)} tokens instead of {len(expected)} for {PROBE!r}; decoded back: "
+        f'{loaded.decode(got)!r}). Training would see garbled prompts. Set "tokenizer_class": '
+        '"PreTrainedTokenizerFast" in tokenizer_config.json of this copy (the Hub id '
+        "deepseek-ai/DeepSeek-R1-Distill-Llama-8B is special-cased by transformers)"
+    )
+
+
+def check_tokenizer(name: str, flag: str = "--actor.model_name_or_path") -> None:
+    """Raise ``ValueError`` naming ``flag`` when a local model's tokenizer loads wrong."""
+    path = Path(name).expanduser()
+    if not path.is_dir():
+        return  # a Hub id: transformers' own special cases apply
+    problem = tokenizer_problem(path)
+    if problem:
+        raise ValueError(f"{flag} {name}: {problem}")
