@@ -19,7 +19,6 @@ import pytest
 
 from drpo_openrlhf.data.convert import answer_alternatives
 from drpo_openrlhf.data.readers import read_local
-from drpo_openrlhf.rewards.answer_extraction import normalize_label
 from drpo_openrlhf.rewards.grading import GradeResult, grade_responses, prepare
 from drpo_openrlhf.rewards.label_forms import decode_alternatives
 
@@ -31,7 +30,7 @@ THINK_END = "</think>"
 
 def plain_verdict(response: str, label: str) -> bool:
     """Plain math-verify as a user calls it: the label (each acceptable answer of a list
-    label) boxed as the project boxes it, the text after ``</think>`` as the prediction."""
+    label) as written, the text after ``</think>`` as the prediction."""
     from math_verify import parse, verify
 
     golds = [label]
@@ -39,7 +38,17 @@ def plain_verdict(response: str, label: str) -> bool:
         golds = json.loads(label)
     answer = response.split(THINK_END, 1)[1] if THINK_END in response else response
     pred = parse(answer)
-    return any(verify(parse("\\boxed{" + (normalize_label(g) or "") + "}"), pred) for g in golds)
+    return any(verify(parse(as_written(g)), pred) for g in golds)
+
+
+def as_written(gold: str) -> str:
+    """A label as math-verify's user hands it over: as it is when it holds its own boxes or
+    math delimiters (math-verify groups several boxes itself), else boxed (bare LaTeX is
+    otherwise only searched for numbers). Independent of the project's label handling."""
+    text = gold.strip()
+    if "\\boxed" in text or "\\fbox" in text or text.startswith(("$", "\\(", "\\[")):
+        return text
+    return "\\boxed{" + text + "}"
 
 
 def compare(items: list[Pair], grade: Callable[[list[str], list[str]], list]) -> list[dict]:

@@ -263,8 +263,10 @@ def other_unit(label_units: frozenset[str], answer: str) -> bool:
     """Whether ``answer`` carries another unit than the label's (each of the label's
     answers has one): different names, at least one of them known to the table, so that
     two unknown spellings of one unit are not told apart."""
+    if not label_units:
+        return False
     unit = unit_name(answer)
-    if not label_units or unit is None or unit in label_units:
+    if unit is None or unit in label_units:
         return False
     return unit in KNOWN_UNITS or bool(label_units & KNOWN_UNITS)
 
