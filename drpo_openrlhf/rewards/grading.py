@@ -14,16 +14,21 @@ Per response, the first of these that applies is its reason:
    "or", graded as the set of their contents.
 4. ``too_long``: the boxed answer is longer than ``MAX_ANSWER_CHARS`` (a label that long is
    ``bad_label``).
-5. The label's acceptable answers (a list label has several, see ``label_forms``) and the
+5. ``wrong`` at once when the label's answers all end with a unit and a one-box answer
+   ends with another (veto c: ``12 hours`` for ``12days``; math-verify drops both units).
+6. The label's acceptable answers (a list label has several, see ``label_forms``) and the
    boxed answer are normalised (``label_forms.canonical``). Equal normalised text is ``ok``
    at once, and so is equal text for a label that is really text (``is_text_label``), and
    an answer that is exactly the label's value (plain decimals and integer fractions).
    These fast paths only ever say ``ok``: everything else goes to a grader process, which
    compares the normalised forms with math-verify (float rounding scaled to the label's
    magnitude) and, failing that, the label and boxes as written with plain math-verify, so
-   that a "wrong" is never said where plain math-verify says "right", except for two
+   that a "wrong" is never said where plain math-verify says "right", except for the
    documented vetoes (a small number that differs at six significant digits; a label with
-   words that math-verify can only read as a bare number). ``ok`` / ``wrong`` /
+   words that math-verify can only read as a bare number; another unit). The answer is
+   also read with math-verify's grouping of boxes (words between them), and a label's
+   value alone (``5`` of ``x = 5``) is never compared with an answer holding ``=``.
+   ``ok`` / ``wrong`` /
    ``bad_label`` (math-verify extracts nothing from the label) / ``text_mismatch`` (a text
    label, or one holding letters that math-verify reads as a bare number, not matched) /
    ``unparsable`` (nothing from the answer) / ``timeout`` (deadline hit) / ``error``.
