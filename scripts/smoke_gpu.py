@@ -183,28 +183,20 @@ def same_weights(trained: dict[str, torch.Tensor], base: dict[str, torch.Tensor]
     return all(torch.equal(trained[k], base[k].to(trained[k].dtype)) for k in base)
 
 
-# OpenRLHF 0.11.2 times each step's phases (PPOTrainer.fit and train_step) and logs them as
-# train/timing/<phase>, with step_total their sum. Grading has no phase of its own: the vLLM
-# engines' agent calls the reward function on each response as it finishes, inside generation.
-PHASES = {
-    "generation": "generation (with grading)",
-    "make_experience": "log-probs",
-    "ppo_train": "actor update",
-    "broadcast": "weight sync",
-}
-
-
 def step_timing(logged: dict[str, dict[int, float]]) -> str:
     """Each step's seconds and the last step's share per phase (the first step also pays
-    for warm-up: CUDA graphs, kernel compilation, allocator growth)."""
-    totals = logged.get("train/timing/step_total", {})
+    for warm-up: CUDA graphs, kernel compilation, allocator growth). The phases and what
+    they hold: ``drpo_openrlhf.eval.training_cost``, which the sweep report reads too."""
+    from drpo_openrlhf.eval.training_cost import PHASES, STEP_TOTAL, TIMING, step_seconds
+
+    totals = step_seconds(logged)
     if not totals:
-        return "no step timing logged (train/timing/step_total missing)"
+        return f"no step timing logged ({STEP_TOTAL} missing)"
     last = max(totals)
     steps = ", ".join(f"step {step} {seconds:.1f} s" for step, seconds in sorted(totals.items()))
     shares = []
     for phase, label in PHASES.items():
-        seconds = logged.get(f"train/timing/{phase}", {}).get(last)
+        seconds = logged.get(TIMING + phase, {}).get(last)
         share = "not logged" if seconds is None else f"{seconds / totals[last]:.0%}"
         shares.append(f"{label} {share}")
     return f"{steps}; step {last}: {', '.join(shares)}"

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from training_logs import write_run_log
 
 from drpo_openrlhf import train
 from drpo_openrlhf.demo.run import DemoConfig, RLConfig, shared_flags
@@ -18,6 +19,7 @@ from drpo_openrlhf.eval.metrics import aes
 from drpo_openrlhf.eval.plot import plot_tradeoff
 from drpo_openrlhf.sweep import state
 from drpo_openrlhf.sweep.cli import main, pending
+from drpo_openrlhf.sweep.cost_figure import plot_cost
 from drpo_openrlhf.sweep.report import write_report
 from drpo_openrlhf.sweep.spec import SweepError
 from drpo_openrlhf.sweep.status import run_states
@@ -323,6 +325,84 @@ def test_report_frontier_aes_and_pushed_down(inputs: Path) -> None:
     assert "| rloo_lp-alpha0.2-s0 | 0 | 40.0 | 60.0 | 5.0% |" in markdown
     assert "| DRPO lambda=inf (DisCO) | 0,1 | 47.0 (44.0..50.0) | 85.0 (80.0..90.0) |" in markdown
     assert (sweep.output_dir / "frontier.png").read_bytes()[:4] == b"\x89PNG"
+    assert "No run logged step timing yet." in markdown  # no run left a tensorboard log
+    assert not (sweep.output_dir / "cost.png").exists()
+
+
+def finish_fake_run(sweep, run, pass1: float, logged: tuple | None = None) -> None:
+    """A finished run: its drpo-eval result, done marker and (``logged``: steps and
+    in-training evaluations) the tensorboard log its training wrote."""
+    doc = result(run.name, run.display, run.param, run.role, {"toy": (pass1, 40.0)})
+    path = sweep.run_dir(run) / "eval" / f"{run.name}.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(doc))
+    state.mark_done(sweep.run_dir(run), {"result": str(path), "pushed_down": 0.0})
+    if logged is not None:
+        write_run_log(sweep.run_dir(run) / "tensorboard", *logged)
+
+
+def steps(generation: float, length: float) -> dict[int, tuple]:
+    """4 steps of 16 responses: generation seconds, 0.5 log-probs, 1 update, 0.5 sync."""
+    return {step: (generation, 0.5, 1.0, 0.5, length, 16.0) for step in (1, 2, 3, 4)}
+
+
+def test_report_training_cost_per_setting_and_to_disco_s_accuracy(inputs: Path) -> None:
+    """Each run's tokens and time from its own log, the phase shares, and the tokens and time
+    until its in-training evaluation first reached the last one of its seed's DisCO run
+    (0.6 on seed 0, 0.5 on seed 1), as mean (min..max) over seeds; the figure is written."""
+    sweep = load_sweep(write_sweep(inputs, FRONTIER), "slurm")
+    runs = {run.name: run for run in sweep.runs}
+    logs = {
+        "disco-s0": (steps(2.0, 48.0), {2: {"toy": 0.5}, 4: {"toy": 0.6}}),
+        "disco-s1": (steps(2.0, 48.0), {2: {"toy": 0.5}, 4: {"toy": 0.5}}),
+        "drpo-lambda0.1-s0": (steps(2.0, 32.0), {2: {"toy": 0.625}, 4: {"toy": 0.5}}),
+        "drpo-lambda0.1-s1": (steps(3.0, 24.0), {2: {"toy": 0.25}, 4: {"toy": 0.5}}),
+        "rloo_lp-alpha0.2-s0": (steps(2.0, 40.0), {}),  # no in-training evaluation
+    }
+    for name, logged in logs.items():
+        finish_fake_run(sweep, runs[name], 0.5, logged)
+    finish_fake_run(sweep, runs["drpo-lambda0.5-s0"], 0.5)  # left no log
+    finish_fake_run(sweep, runs["base-s0"], 0.4)
+    write_report(sweep)
+    report = json.loads((sweep.output_dir / "report.json").read_text())
+    rows = {(r["method"], r["param"]): r for r in report["cost"]}
+    drpo = rows[("DRPO", "0.1")]
+    assert drpo["seeds"] == [0, 1]
+    assert drpo["tokens"] == {"mean": 1792.0, "min": 1536.0, "max": 2048.0}  # 16 x 4 x 32|24
+    assert drpo["seconds"] == {"mean": 18.0, "min": 16.0, "max": 20.0}
+    assert drpo["phase_share"]["generation"] == pytest.approx(
+        {"mean": 0.55, "min": 0.5, "max": 0.6}
+    )
+    assert drpo["phase_share"]["broadcast"] == pytest.approx(
+        {"mean": 0.1125, "min": 0.1, "max": 0.125}
+    )
+    assert (drpo["compared"], drpo["reached"]) == (2, 2)
+    assert drpo["tokens_to_disco"] == {"mean": 1280.0, "min": 1024.0, "max": 1536.0}  # steps 2, 4
+    assert drpo["seconds_to_disco"] == {"mean": 14.0, "min": 8.0, "max": 20.0}
+    disco = rows[("DRPO", "inf")]  # DisCO reaches its own last accuracy, maybe before its end
+    assert disco["tokens_to_disco"] == {"mean": 2304.0, "min": 1536.0, "max": 3072.0}
+    rloo = rows[("RLOO-LP", "0.2")]
+    assert (rloo["compared"], rloo["reached"], rloo["tokens_to_disco"]) == (0, 0, None)
+    assert ("DRPO", "0.5") not in rows
+    by_run = {r["name"]: r["training_cost"] for r in report["runs"]}
+    assert by_run["drpo-lambda0.1-s1"]["reached"] == {
+        "step": 4, "pass@1": 0.5, "tokens": 1536.0, "seconds": 20.0
+    }  # fmt: skip
+    assert by_run["drpo-lambda0.1-s1"]["target"] == 0.5
+    assert by_run["drpo-lambda0.5-s0"]["cost"] is None and by_run["base-s0"] is None
+    markdown = (sweep.output_dir / "report.md").read_text()
+    assert (
+        "| DRPO lambda=0.1 | 0,1 | 1.79k (1.54k..2.05k) | 18 (16..20) | 55% (50%..60%) | "
+        "11% (10%..12%) | 22% (20%..25%) | 11% (10%..12%) | 2/2 | 1.28k (1.02k..1.54k) | "
+        "14 (8..20) |"
+    ) in markdown
+    assert "| RLOO-LP alpha=0.2 | 0 | 2.56k | 16 | 50% | 12% | 25% | 12% | - | - | - |" in markdown
+    assert "| drpo-lambda0.1-s1 | 4 | 1.54k | 20.0 | 50.0 | 4 |" in markdown
+    assert (
+        "| rloo_lp-alpha0.2-s0 | 4 | 2.56k | 16.0 | 60.0 | no evaluations to compare |" in markdown
+    )
+    assert "| drpo-lambda0.5-s0 | no step timing logged |" in markdown
+    assert (sweep.output_dir / "cost.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_figure_draws_seeds_of_a_setting_as_one_point_with_error_bars() -> None:
@@ -339,6 +419,38 @@ def test_figure_draws_seeds_of_a_setting_as_one_point_with_error_bars() -> None:
         [60.0, 0.4],
         [60.0, 0.6],
     ]
+
+
+def cost_point(method: str, param: str, role: str, pass1: float, tokens: float,
+               evaluations: list[tuple[int, float, float]]) -> dict:  # fmt: skip
+    """One trained run as the cost figure gets it; evaluations as (step, tokens, pass@1)."""
+    curve = [{"step": s, "tokens": t, "pass@1": a, "seconds": 1.0} for s, t, a in evaluations]
+    cost = {"tokens": tokens, "evaluations": curve}
+    return {"method": method, "param": param, "role": role, "label": f"lambda={param}",
+            "pass@1": pass1, "cost": cost}  # fmt: skip
+
+
+def test_cost_figure_draws_seeds_at_their_mean_with_error_bars() -> None:
+    """Left: final pass@1 against total training tokens, a setting's seeds as one point with
+    min..max bars; right: in-training pass@1 against the tokens spent until each evaluation,
+    at the steps every seed of the setting evaluated (seed 1's step 6 alone is left out)."""
+    runs = [
+        cost_point("DRPO", "0.1", "run", 0.4, 1000.0, [(2, 400.0, 0.3), (4, 1000.0, 0.4)]),
+        cost_point(
+            "DRPO", "0.1", "run", 0.6, 2000.0, [(2, 600.0, 0.5), (4, 1400.0, 0.6), (6, 2000.0, 0.7)]
+        ),
+        cost_point("DRPO", "inf", "reference", 0.5, 3000.0, [(4, 3000.0, 0.5)]),
+    ]
+    final, along = plot_cost(runs).axes
+    curve = final.get_lines()[0]
+    assert list(curve.get_xdata()) == [1500.0, 3000.0] and list(curve.get_ydata()) == [0.5, 0.5]
+    (bars,) = final.containers  # one setting with two seeds
+    xerr, yerr = (segment for collection in bars.lines[2] for segment in collection.get_segments())
+    assert xerr.tolist() == [[1000.0, 0.5], [2000.0, 0.5]]
+    assert yerr.tolist() == [[1500.0, 0.4], [1500.0, 0.6]]
+    drpo, disco = (line for line in along.get_lines() if line.get_label().startswith("DRPO"))
+    assert list(drpo.get_xdata()) == [500.0, 1200.0] and list(drpo.get_ydata()) == [0.4, 0.5]
+    assert drpo.get_linestyle() != disco.get_linestyle() and disco.get_marker() == "s"
 
 
 def test_toy_writes_the_demo_s_inputs_and_a_runnable_sweep(tmp_path: Path, capsys) -> None:

@@ -30,7 +30,7 @@ def _panels(docs: Sequence[Mapping], datasets: Sequence[str] | None) -> list[str
     return [AVERAGE, *names]
 
 
-def _point_label(doc: Mapping) -> str:
+def point_label(doc: Mapping) -> str:
     if doc.get("param") is None:
         return ""
     return f"{doc['param_name']}={doc['param']}" if doc.get("param_name") else str(doc["param"])
@@ -82,7 +82,7 @@ def _draw_panel(
         )
         for x, y, doc, (xs, ys) in points:
             ax.annotate(
-                _point_label(doc), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7
+                point_label(doc), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7
             )
             if len(xs) > 1:
                 ax.errorbar(

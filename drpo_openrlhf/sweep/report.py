@@ -1,27 +1,26 @@
 """The sweep's one report, from the finished runs: the frontiers (pass@1 against mean length
 per dataset and averaged, one curve per method, seed spread as error bars; drpo-eval's
 figure), the AES table against DisCO of the same seed (drpo-eval's AES rows, then the mean
-and range over seeds), and the pushed-down share per run; as PNG, Markdown and JSON."""
+and range over seeds), the pushed-down share per run, and what each run cost to train
+(``cost``: tokens, time and its phases, tokens and time to DisCO's accuracy; accuracy against
+training tokens in ``cost.png``); as PNG, Markdown and JSON."""
 
 from __future__ import annotations
 
 import json
-import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from drpo_openrlhf.eval.aes_table import aes_rows
-from drpo_openrlhf.eval.plot import plot_tradeoff
+from drpo_openrlhf.eval.plot import plot_tradeoff, point_label
 from drpo_openrlhf.eval.problems import AVERAGE
 from drpo_openrlhf.eval.results import load_results, select_metrics
 from drpo_openrlhf.sweep import state
+from drpo_openrlhf.sweep.cost import cost_entry, cost_markdown, cost_rows, disco_targets, run_cost
+from drpo_openrlhf.sweep.cost_figure import plot_cost
+from drpo_openrlhf.sweep.seed_spread import spread
 from drpo_openrlhf.sweep.spec import Run, Sweep
-
-
-def spread(values: Iterable[float]) -> dict[str, float]:
-    values = list(values)
-    return {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}
 
 
 def _point(doc: Mapping) -> tuple[str, str | None, str]:
@@ -162,8 +161,11 @@ def markdown(report: Mapping[str, Any]) -> str:
                 + " |"
             )
     lines += [f"- {note}" for note in report["notes"]]
+    entries = [run["training_cost"] for run in report["runs"] if run["training_cost"]]
+    lines += ["", *cost_markdown(report["cost"], entries, _label)]
+    if any(row["tokens"] for row in report["cost"]):
+        lines += ["![accuracy against training tokens](cost.png)", ""]
     lines += [
-        "",
         "## Runs",
         "",
         "Pushed down: mean over the run's steps of the share of correct responses given a "
@@ -198,9 +200,27 @@ def build_report(sweep: Sweep) -> dict[str, Any]:
         panels += [d for doc in docs for d in doc["datasets"] if d not in panels]
         panels = list(dict.fromkeys(panels))
     aes, notes = aes_against_disco(docs, seeds, sweep.eval_datasets)
-    runs = []
+    trained = [run for run, _ in finished if run.trains]
+    costs = {
+        r.name: run_cost(sweep.run_dir(r) / "tensorboard", sweep.eval_datasets) for r in trained
+    }
+    targets = disco_targets(trained, costs)
+    entries = {r.name: cost_entry(r, costs[r.name], targets.get(r.seed)) for r in trained}
+    runs, cost_points = [], []
     for (run, marker), doc in zip(finished, docs, strict=True):
         average = select_metrics(doc, AVERAGE, sweep.eval_datasets) or doc["average"]
+        if run.trains:
+            method, param, role = _point(doc)
+            cost_points.append(
+                {
+                    "method": method,
+                    "param": param,
+                    "role": role,
+                    "label": point_label(doc),
+                    "pass@1": average["pass@1"],
+                    "cost": costs[run.name],
+                }
+            )
         runs.append(
             {
                 "name": run.name,
@@ -211,6 +231,7 @@ def build_report(sweep: Sweep) -> dict[str, Any]:
                 "mean_length": average["mean_length"],
                 "pushed_down": marker["pushed_down"],
                 "result": marker["result"],
+                "training_cost": entries.get(run.name),
             }
         )
     return {
@@ -222,8 +243,10 @@ def build_report(sweep: Sweep) -> dict[str, Any]:
         "frontier": frontier_rows(docs, seeds, panels, sweep.eval_datasets),
         "aes": aes,
         "notes": notes,
+        "cost": cost_rows(trained, entries),
         "runs": runs,
         "_docs": docs,
+        "_cost_points": cost_points,
     }
 
 
@@ -231,10 +254,13 @@ def write_report(sweep: Sweep) -> Path:
     """``report.md``, ``report.json`` and ``frontier.png`` in the sweep's output dir."""
     report = build_report(sweep)
     docs = report.pop("_docs")
+    cost_points = report.pop("_cost_points")
     if not docs:
         raise RuntimeError(f"sweep {sweep.name}: no finished run to report yet")
     out = sweep.output_dir
     plot_tradeoff(docs, out / "frontier.png", datasets=sweep.eval_datasets)
+    if any(row["tokens"] for row in report["cost"]):
+        plot_cost(cost_points, out / "cost.png")
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     path = out / "report.md"
     path.write_text(markdown(report), encoding="utf-8")
