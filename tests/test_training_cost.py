@@ -4,6 +4,7 @@ spent until each, and the first one that reached a target."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -73,3 +74,26 @@ def test_a_resumed_run_counts_a_repeated_step_once(tmp_path: Path) -> None:
     cost = cost_of(tmp_path)
     assert cost["tokens"] == 128 * (40 + 24 + 24)
     assert cost["seconds"] == pytest.approx(10 + 6.75 + 6.75)
+
+
+def test_drpo_eval_cost_prints_each_run_s_cost(tmp_path: Path, capsys) -> None:
+    from drpo_openrlhf.eval.cli import main
+
+    write_run_log(tmp_path / "run", STEPS, {2: {"add2": 0.5}, 3: {"add2": 0.75}})
+    write_run_log(tmp_path / "untimed", {})
+    argv = ["cost", str(tmp_path / "run"), str(tmp_path / "untimed"), "--target", "0.6"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == [
+        str(tmp_path / "run"),
+        "  3 steps, 12288 tokens, 25.2 s: generation (with grading) 59%, log-probs 10%, "
+        "actor update 26%, weight sync 5%",
+        "  eval at step 2: pass@1 50.0% after 9216 tokens, 18.5 s",
+        "  eval at step 3: pass@1 75.0% after 12288 tokens, 25.2 s",
+        "  first at or above 60.0%: step 3",
+        str(tmp_path / "untimed"),
+        "  no step timing logged (train/timing/step_total missing)",
+    ]
+    assert main(["cost", str(tmp_path / "run"), "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed[str(tmp_path / "run")]["tokens"] == 12288

@@ -3,6 +3,7 @@
 drpo-eval [run] --model DIR [--model DIR ...] --data FILE.jsonl [...] [options]
 drpo-eval plot results/*.json -o tradeoff.png
 drpo-eval aes results/*.json [-o aes.csv]
+drpo-eval cost RUN/tensorboard [...] [--target 0.45] [--json]
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from drpo_openrlhf.eval.problems import AVERAGE
 
-COMMANDS = ("run", "plot", "aes")
+COMMANDS = ("run", "plot", "aes", "cost")
 
 
 def _run_parser() -> argparse.ArgumentParser:
@@ -236,8 +237,36 @@ def aes_command(argv: Sequence[str]) -> int:
     return 0
 
 
+def cost_command(argv: Sequence[str]) -> int:
+    import json
+
+    from drpo_openrlhf.eval.tensorboard_logs import read_scalars
+    from drpo_openrlhf.eval.training_cost import summary, training_cost
+
+    p = argparse.ArgumentParser(
+        prog="drpo-eval cost",
+        description="What each run cost to train, from its own tensorboard log: response "
+        "tokens, wall time per phase, in-training evaluations with the tokens and time spent "
+        "until each.",
+    )
+    p.add_argument("logs", nargs="+", type=Path, help="runs' --logger.tensorboard_dir")
+    p.add_argument("--datasets", nargs="+", help="datasources the evaluations average over")
+    p.add_argument("--target", type=float, help="pass@1 (0-1): first evaluation reaching it")
+    p.add_argument("--json", action="store_true", help="print the numbers as JSON")
+    args = p.parse_args(argv)
+    costs = {str(d): training_cost(read_scalars(d), args.datasets) for d in args.logs}
+    if args.json:
+        print(json.dumps(costs, indent=2))
+    else:
+        for directory, cost in costs.items():
+            print(directory)
+            print("\n".join(f"  {line}" for line in summary(cost, args.target)))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv.pop(0) if argv and argv[0] in COMMANDS else "run"
-    handler = {"run": run_command, "plot": plot_command, "aes": aes_command}[command]
+    handlers = {"run": run_command, "plot": plot_command, "aes": aes_command, "cost": cost_command}
+    handler = handlers[command]
     return handler(argv)

@@ -99,3 +99,35 @@ def first_reaching(cost: Mapping[str, Any], target: float) -> dict[str, Any] | N
     """The first in-training evaluation at or above ``target``, with the tokens and seconds
     spent until it; None if none did."""
     return next((point for point in cost["evaluations"] if point["pass@1"] >= target), None)
+
+
+def summary(cost: Mapping[str, Any] | None, target: float | None = None) -> list[str]:
+    """``drpo-eval cost``'s lines for one run: the totals and phase shares, each in-training
+    evaluation with what was spent until it, and the first that reached ``target``."""
+    if cost is None:
+        return [f"no step timing logged ({STEP_TOTAL} missing)"]
+    tokens = "tokens not logged" if cost["tokens"] is None else f"{cost['tokens']:.0f} tokens"
+    shares = [
+        f"{label} {'not logged' if s is None else format(s / cost['seconds'], '.0%')}"
+        for phase, label in PHASES.items()
+        for s in [cost["phases_s"][phase]]
+    ]
+    lines = [f"{cost['steps']} steps, {tokens}, {cost['seconds']:.1f} s: {', '.join(shares)}"]
+    if cost["missing_steps"]:
+        lines.append(f"steps not logged (left out): {cost['missing_steps']}")
+    for point in cost["evaluations"]:
+        spent = "" if point["tokens"] is None else f"{point['tokens']:.0f} tokens, "
+        lines.append(
+            f"eval at step {point['step']}: pass@1 {point['pass@1']:.1%} after "
+            f"{spent}{point['seconds']:.1f} s"
+        )
+    if target is not None:
+        if not cost["evaluations"]:
+            lines.append("no in-training evaluations to compare with the target")
+        else:
+            reached = first_reaching(cost, target)
+            lines.append(
+                f"first at or above {target:.1%}: "
+                + (f"step {reached['step']}" if reached else "not reached")
+            )
+    return lines
