@@ -36,6 +36,9 @@ pytestmark = [pytest.mark.faults, pytest.mark.e2e, pytest.mark.slow]
 SITE = Path(__file__).parent / "fault_site"
 REWARD_TIMEOUT_S = 20  # the guard's limit in these runs (DRPO_REWARD_CALL_TIMEOUT_S)
 STOP = "drpo_openrlhf: the run stopped: "
+# the driver's and the actor's start-up: 101 s measured at a load average of 10 on 2 cores;
+# before the fix the run waited 10 minutes past that (the weight-sync group's timeout)
+ENGINE_START_BOUND_S = 300
 
 
 @pytest.fixture(scope="module")
@@ -186,6 +189,24 @@ def test_actor_killed_in_an_optimizer_step(toy, ray_address, inject, tmp_path):
     code, output = run_to_end(toy, tmp_path, ray_address=ray_address, steps=3, fault="FAULT:")
     assert code == 1 and "FAULT: actor killed" in output
     assert_stopped_at_checkpoint(output, tmp_path, 1, "a Ray actor process died")
+
+
+def test_an_engine_that_fails_to_start_stops_the_run(toy, ray_address, inject, tmp_path):
+    """The engine's start-up fails (as vLLM's CPU build fails a TP-2 engine: 'current platform
+    cpu does not support ray'). Actor rank 0 waited for it to join the weight-sync group, up
+    to 10 minutes, silent; now the run stops once the actor is up, naming the engine's own
+    error in its last line, and no process is left."""
+    inject(fault="engine_start", step=1)
+    run = Run(toy, tmp_path, ray_address=ray_address, steps=1)
+    code, took = run.finish(timeout=ENGINE_START_BOUND_S)
+    assert code == 1, run.output[-3000:]
+    last = run.output.strip().splitlines()[-1]
+    assert last.startswith(f"{STOP}EngineStartError: vLLM engine 0 of 1 failed to start: "), last
+    assert last.endswith(
+        "ValueError: injected: this vLLM engine cannot start. No complete "
+        "checkpoint: a rerun starts from the beginning."
+    ), last
+    print(f"TIME engine start failure: the run ended {took:.1f} s after it started")
 
 
 # --- non-finite numbers ----------------------------------------------------------------

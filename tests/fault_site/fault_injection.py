@@ -7,7 +7,9 @@
 - ``nan_loss`` / ``nan_grad``: the K-th optimizer step's loss / one parameter's gradient is NaN;
 - ``slow_save``: the K-th checkpoint save writes ``marker`` after the model states and then
   sleeps (the test kills the job meanwhile);
-- ``enospc_save``: the K-th checkpoint save fails with "No space left on device".
+- ``enospc_save``: the K-th checkpoint save fails with "No space left on device";
+- ``engine_start``: the K-th vLLM engine configuration in a process fails (the engine's
+  start-up, as a bad TP size, memory or device would fail it).
 """
 
 from __future__ import annotations
@@ -80,7 +82,20 @@ def _patch_deepspeed_engine(module) -> None:
     module.DeepSpeedEngine._save_zero_checkpoint = faulty_save
 
 
+def _patch_vllm_engine_args(module) -> None:
+    create = module.EngineArgs.create_engine_config
+
+    def faulty_create(self, *args, **kwargs):
+        if _fault("engine_start"):
+            print("FAULT: vLLM engine start", flush=True)
+            raise ValueError("injected: this vLLM engine cannot start")
+        return create(self, *args, **kwargs)
+
+    module.EngineArgs.create_engine_config = faulty_create
+
+
 PATCHES = {
     "drpo_openrlhf.integration.actor_trainer": _patch_actor_trainer,
     "deepspeed.runtime.engine": _patch_deepspeed_engine,
+    "vllm.engine.arg_utils": _patch_vllm_engine_args,
 }
