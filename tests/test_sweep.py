@@ -19,6 +19,7 @@ from drpo_openrlhf.eval.metrics import aes
 from drpo_openrlhf.eval.plot import plot_tradeoff
 from drpo_openrlhf.sweep import state
 from drpo_openrlhf.sweep.cli import main, pending
+from drpo_openrlhf.sweep.commands import train_argv
 from drpo_openrlhf.sweep.cost_figure import plot_cost
 from drpo_openrlhf.sweep.report import write_report
 from drpo_openrlhf.sweep.spec import SweepError
@@ -43,7 +44,7 @@ def inputs(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def write_sweep(tmp_path: Path, methods: str, **top: str) -> Path:
+def write_sweep(tmp_path: Path, methods: str, flags: list[str] = FLAGS, **top: str) -> Path:
     settings = {"name": '"t"', "output_dir": json.dumps(str(tmp_path / "out")), "seeds": "[0, 1]"}
     settings |= top
     text = "\n".join(f"{k} = {v}" for k, v in settings.items())
@@ -51,7 +52,7 @@ def write_sweep(tmp_path: Path, methods: str, **top: str) -> Path:
 [train]
 base_model = {json.dumps(str(tmp_path / "base{seed}"))}
 data = {json.dumps(str(tmp_path / "train.jsonl"))}
-flags = {json.dumps(FLAGS)}
+flags = {json.dumps(flags)}
 [eval]
 data = {json.dumps([str(tmp_path / "eval.jsonl")])}
 flags = ["--n", "2"]
@@ -459,7 +460,7 @@ def test_toy_writes_the_demo_s_inputs_and_a_runnable_sweep(tmp_path: Path, capsy
     for seed in (0, 1):
         build_tiny_model(tmp_path / "toy" / f"seed{seed}" / "base")
     argv = ["toy", str(tmp_path / "toy"), "--seeds", "0", "1", "--quick", "--steps", "4"]
-    assert main([*argv, "--lr", "5e-5"]) == 0
+    assert main([*argv, "--lr", "5e-5", "--eval-steps", "2"]) == 0
     path = tmp_path / "toy" / "sweep.toml"
     assert str(path) in capsys.readouterr().out
     rows = (tmp_path / "toy" / "seed1" / "eval.jsonl").read_text().splitlines()
@@ -472,6 +473,27 @@ def test_toy_writes_the_demo_s_inputs_and_a_runnable_sweep(tmp_path: Path, capsy
     assert sweep.train_flags[sweep.train_flags.index("--drpo.max_steps") + 1] == "4"
     assert sweep.train_flags[sweep.train_flags.index("--actor.adam.lr") + 1] == "5e-05"
     assert sweep.eval_flags[:2] == ("--backend", "hf")  # the demo evaluates with HF on CPU
+    along = train_argv(sweep, trained[-1])  # evaluated along the run, on its seed's problems
+    assert along[along.index("--eval.dataset") + 1] == str(
+        tmp_path / "toy" / "seed1" / "eval.jsonl"
+    )
+    assert along[along.index("--eval.steps") + 1] == "2"
+
+
+def test_seed_in_train_flags_is_each_run_s_seed(inputs: Path, capsys) -> None:
+    """``{seed}`` in ``[train] flags`` (a per-seed in-training evaluation set) becomes the
+    run's seed in every backend's command."""
+    for seed in (0, 1):
+        (inputs / f"eval{seed}.jsonl").write_text((inputs / "eval.jsonl").read_text())
+    flags = [*FLAGS, "--eval.dataset", str(inputs / "eval{seed}.jsonl"), "--eval.steps", "2"]
+    path = write_sweep(inputs, FRONTIER, flags)
+    sweep = load_sweep(path, "local")  # each seed's command parses and its file is checked
+    run = next(r for r in sweep.runs if r.name == "disco-s1")
+    argv = train_argv(sweep, run)
+    assert argv[argv.index("--eval.dataset") + 1] == str(inputs / "eval1.jsonl")
+    script = dry_run(path, "slurm", capsys)
+    task = next(line for line in script.splitlines() if "RUN_NAME=disco-s1" in line)
+    assert str(inputs / "eval1.jsonl") in task and "{seed}" not in script
 
 
 def test_a_sweep_run_one_seed_at_a_time_reports_every_seed(inputs: Path) -> None:

@@ -55,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     toy.add_argument("--quick", action="store_true", help="the demo's --quick task and model")
     toy.add_argument("--steps", type=int, help="rollout steps per run (default: the demo's)")
     toy.add_argument("--lr", type=float, help="actor learning rate (default: the demo's)")
+    toy.add_argument(
+        "--eval-steps",
+        type=int,
+        help="evaluate every N rollout steps during training (OpenRLHF's --eval.steps), so "
+        "the report can say when a run reached DisCO's accuracy (default: no evaluations)",
+    )
     for name, text in (("task", "train, evaluate, mark (Ray jobs)"), ("finish", "evaluate, mark")):
         sub = commands.add_parser(name, help=f"one run: {text}")
         sub.add_argument("sweep", type=Path, help="the sweep's resolved sweep.json")
@@ -158,7 +164,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "toy":
             from drpo_openrlhf.sweep.toy import prepare_toy
 
-            path = prepare_toy(args.dir, args.seeds, args.quick, args.steps, args.lr)
+            path = prepare_toy(
+                args.dir, args.seeds, args.quick, args.steps, args.lr, args.eval_steps
+            )
             print(f"{path}\nrun it with: drpo-sweep run {path} --backend local")
             return 0
         path = _resolved(args.sweep) if args.command in ("status", "report") else args.sweep

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from drpo_openrlhf.sweep.spec import Run, Sweep, format_value
+from drpo_openrlhf.sweep.spec import Run, Sweep, format_value, seeded_flags
 
 
 def method_flags(run: Run) -> list[str]:
@@ -32,10 +32,10 @@ def train_argv(sweep: Sweep, run: Run) -> list[str]:
     return [
         *("--actor.model_name_or_path", run.base_model),
         *("--data.prompt_dataset", run.train_data),
-        *sweep.train_flags,
+        *seeded_flags(sweep.train_flags, run.seed),
         *("--train.seed", str(run.seed)),
         *method_flags(run),
-        *run.flags,
+        *seeded_flags(run.flags, run.seed),
         *("--ckpt.path", str(out / "ckpt"), "--ckpt.load_enable"),
         *("--ckpt.output_dir", str(out / "model")),
         *("--logger.tensorboard_dir", str(out / "tensorboard")),

@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 from drpo_openrlhf.sweep.commands import recipe_env
-from drpo_openrlhf.sweep.spec import Run, Sweep
+from drpo_openrlhf.sweep.spec import Run, Sweep, seeded_flags
 
 REPO = Path(__file__).resolve().parents[2]
 # Set by the sweep itself, so the recipe's own values are dropped
@@ -61,7 +61,11 @@ def array_script(sweep: Sweep, runs: list[Run], throttle: int | None, sweep_file
     lines.append('case "${SLURM_ARRAY_TASK_ID:?not an array task}" in')
     for index, run in enumerate(runs):
         if run.trains:
-            flags = " ".join(shlex.quote(f) for f in (*sweep.train_flags, *run.flags))
+            seeded = (
+                *seeded_flags(sweep.train_flags, run.seed),
+                *seeded_flags(run.flags, run.seed),
+            )
+            flags = " ".join(shlex.quote(f) for f in seeded)
             lines.append(f"{index}) export {_exports(recipe_env(sweep, run))}; flags=({flags}) ;;")
         else:
             lines.append(f"{index}) export RUN_NAME={shlex.quote(run.name)}; train=0 ;;")

@@ -222,6 +222,12 @@ def _expand(text: str, seed: int | None) -> str:
     return text.replace(SEED, str(seed)) if seed is not None else text
 
 
+def seeded_flags(flags: tuple[str, ...], seed: int | None) -> tuple[str, ...]:
+    """Train flags with ``{seed}`` replaced by the run's seed, e.g. a per-seed
+    ``--eval.dataset`` for the in-training evaluations the cost report reads."""
+    return tuple(_expand(flag, seed) for flag in flags)
+
+
 def parse_sweep(data: dict[str, Any], source: Path, problems: list[str]) -> Sweep | None:
     """The sweep described by ``data`` (a parsed file), or None when it cannot even be
     expanded; each problem found is appended to ``problems``."""

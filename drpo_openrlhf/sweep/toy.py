@@ -56,8 +56,24 @@ def eval_flags(config: DemoConfig) -> list[str]:
     ]
 
 
-def sweep_toml(name: str, root: Path, seeds: list[int], config: DemoConfig) -> str:
+def along_flags(root: Path, config: DemoConfig, eval_steps: int) -> list[str]:
+    """OpenRLHF's in-training evaluation of the seed's evaluation problems every
+    ``eval_steps`` rollout steps, with the final evaluation's samples and temperature: the
+    evaluations along the run that the cost report compares with DisCO's."""
+    return [
+        *("--eval.dataset", str(root / "seed{seed}" / "eval.jsonl")),
+        *("--eval.steps", str(eval_steps), "--eval.temperature", str(config.rl.temperature)),
+        *("--eval.n_samples_per_prompt", str(config.eval_samples)),
+    ]
+
+
+def sweep_toml(
+    name: str, root: Path, seeds: list[int], config: DemoConfig, eval_steps: int | None = None
+) -> str:
     """The sweep file (TOML; JSON strings and arrays are valid TOML values)."""
+    flags = [*shared_flags(config.rl), "--algo.kl.init_coef", "0"]
+    if eval_steps is not None:
+        flags += along_flags(root, config, eval_steps)
     lines = [
         f"name = {json.dumps(name)}",
         f"output_dir = {json.dumps(str(root / 'runs'))}",
@@ -66,7 +82,7 @@ def sweep_toml(name: str, root: Path, seeds: list[int], config: DemoConfig) -> s
         "[train]",
         f"base_model = {json.dumps(str(root / 'seed{seed}' / 'base'))}",
         f"data = {json.dumps(str(root / 'seed{seed}' / 'train.jsonl'))}",
-        f"flags = {json.dumps([*shared_flags(config.rl), '--algo.kl.init_coef', '0'])}",
+        f"flags = {json.dumps(flags)}",
         "",
         "[eval]",
         f"data = {json.dumps([str(root / 'seed{seed}' / 'eval.jsonl')])}",
@@ -84,7 +100,12 @@ def sweep_toml(name: str, root: Path, seeds: list[int], config: DemoConfig) -> s
 
 
 def prepare_toy(
-    root: Path, seeds: list[int], quick: bool, steps: int | None, lr: float | None = None
+    root: Path,
+    seeds: list[int],
+    quick: bool,
+    steps: int | None,
+    lr: float | None = None,
+    eval_steps: int | None = None,
 ) -> Path:
     """Builds every seed's inputs under ``root`` and writes ``root/sweep.toml``."""
     root = root.resolve()
@@ -97,7 +118,9 @@ def prepare_toy(
         build_seed(with_seed(config, seed), root / f"seed{seed}")
     path = root / "sweep.toml"
     path.write_text(
-        sweep_toml(re.sub(r"[^A-Za-z0-9._-]+", "-", f"toy-{root.name}"), root, seeds, config),
+        sweep_toml(
+            re.sub(r"[^A-Za-z0-9._-]+", "-", f"toy-{root.name}"), root, seeds, config, eval_steps
+        ),
         encoding="utf-8",
     )
     return path
