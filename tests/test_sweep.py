@@ -478,6 +478,7 @@ def test_toy_writes_the_demo_s_inputs_and_a_runnable_sweep(tmp_path: Path, capsy
         tmp_path / "toy" / "seed1" / "eval.jsonl"
     )
     assert along[along.index("--eval.steps") + 1] == "2"
+    assert along[along.index("--ckpt.best_metric_key") + 1] == "none"  # no extra saves
 
 
 def test_seed_in_train_flags_is_each_run_s_seed(inputs: Path, capsys) -> None:

@@ -59,11 +59,13 @@ def eval_flags(config: DemoConfig) -> list[str]:
 def along_flags(root: Path, config: DemoConfig, eval_steps: int) -> list[str]:
     """OpenRLHF's in-training evaluation of the seed's evaluation problems every
     ``eval_steps`` rollout steps, with the final evaluation's samples and temperature: the
-    evaluations along the run that the cost report compares with DisCO's."""
+    evaluations along the run that the cost report compares with DisCO's. Without
+    ``--ckpt.best_metric_key none`` OpenRLHF would also save a checkpoint at every new best."""
     return [
         *("--eval.dataset", str(root / "seed{seed}" / "eval.jsonl")),
         *("--eval.steps", str(eval_steps), "--eval.temperature", str(config.rl.temperature)),
         *("--eval.n_samples_per_prompt", str(config.eval_samples)),
+        *("--ckpt.best_metric_key", "none"),
     ]
 
 
