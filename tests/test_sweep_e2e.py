@@ -112,6 +112,12 @@ def test_local_sweep_kill_and_resume(toy, tmp_path: Path) -> None:
     assert runs["drpo-lambda0.1-s0"]["pushed_down"] == 0.0  # DRPO never pushes a correct one down
     assert runs["disco-s0"]["pushed_down"] == 0.0
     assert runs["base"]["pushed_down"] is None
+    for name in ("drpo-lambda0.1-s0", "disco-s0"):  # training cost, read from the real logs
+        cost = runs[name]["training_cost"]["cost"]
+        assert (cost["steps"], cost["missing_steps"]) == (STEPS, []) and cost["tokens"] > 0, cost
+        assert all(seconds > 0 for seconds in cost["phases_s"].values()), cost
+    assert runs["base"]["training_cost"] is None
+    assert (out / "cost.png").read_bytes()[:4] == b"\x89PNG"
     (aes,) = report["aes"]  # DRPO against DisCO of the same seed
     assert (aes["method"], aes["param"], aes["seeds"]) == ("DRPO", "0.1", [0])
     assert report["panels"] == ["average", "add2"]  # the toy fixture's 16 eval problems
