@@ -17,9 +17,11 @@ from drpo_openrlhf import train
 from drpo_openrlhf.demo.run import DemoConfig, RLConfig, shared_flags
 from drpo_openrlhf.eval.metrics import aes
 from drpo_openrlhf.eval.plot import plot_tradeoff
+from drpo_openrlhf.eval.training_cost import PHASES
 from drpo_openrlhf.sweep import state
 from drpo_openrlhf.sweep.cli import main, pending
 from drpo_openrlhf.sweep.commands import train_argv
+from drpo_openrlhf.sweep.cost import cost_entry, cost_markdown, cost_rows
 from drpo_openrlhf.sweep.cost_figure import plot_cost
 from drpo_openrlhf.sweep.report import write_report
 from drpo_openrlhf.sweep.spec import SweepError
@@ -400,7 +402,7 @@ def test_report_training_cost_per_setting_and_to_disco_s_accuracy(inputs: Path) 
     assert "| RLOO-LP alpha=0.2 | 0 | 2.56k | 16 | 50% | 12% | 25% | 12% | - | - | - |" in markdown
     assert "| drpo-lambda0.1-s1 | 4 | 1.54k | 20.0 | 50.0 | 4 |" in markdown
     assert (
-        "| rloo_lp-alpha0.2-s0 | 4 | 2.56k | 16.0 | 60.0 | no evaluations to compare |" in markdown
+        "| rloo_lp-alpha0.2-s0 | 4 | 2.56k | 16.0 | 60.0 | no in-training evaluations |" in markdown
     )
     assert "| drpo-lambda0.5-s0 | no step timing logged |" in markdown
     assert (sweep.output_dir / "cost.png").read_bytes()[:4] == b"\x89PNG"
@@ -420,6 +422,18 @@ def test_figure_draws_seeds_of_a_setting_as_one_point_with_error_bars() -> None:
         [60.0, 0.4],
         [60.0, 0.6],
     ]
+
+
+def test_a_run_whose_seed_has_no_disco_evaluation_says_so(inputs: Path) -> None:
+    run = next(r for r in load_sweep(write_sweep(inputs, FRONTIER), "slurm").runs if r.trains)
+    point = {"step": 2, "pass@1": 0.5, "tokens": 64.0, "seconds": 2.0}
+    cost = {"steps": 2, "missing_steps": [], "tokens": 64.0, "seconds": 2.0,
+            "phases_s": dict.fromkeys(PHASES, 0.5), "evaluations": [point]}  # fmt: skip
+    entry = cost_entry(run, cost, None)
+    assert (entry["compared"], entry["reached"]) == (False, None)
+    lines = cost_markdown(cost_rows([run], {run.name: entry}), [entry], str)
+    reason = "no DisCO evaluation of its seed to compare with"
+    assert f"| {run.name} | 2 | 64 | 2.0 | - | {reason} |" in lines
 
 
 def cost_point(method: str, param: str, role: str, pass1: float, tokens: float,

@@ -150,8 +150,10 @@ def cost_markdown(rows: Sequence[Mapping], entries: Sequence[Mapping], label) ->
         if cost["missing_steps"]:
             steps += f" (steps {','.join(map(str, cost['missing_steps']))} not logged)"
         target = "-" if entry["target"] is None else f"{100 * entry['target']:.1f}"
-        if not entry["compared"]:
-            reached = "no evaluations to compare"
+        if not cost["evaluations"]:
+            reached = "no in-training evaluations"
+        elif entry["target"] is None:
+            reached = "no DisCO evaluation of its seed to compare with"
         else:
             reached = str(entry["reached"]["step"]) if entry["reached"] else "not reached"
         tokens = "-" if cost["tokens"] is None else _amount(cost["tokens"])
