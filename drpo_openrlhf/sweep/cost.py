@@ -7,7 +7,7 @@ so both sides of the comparison come from the same evaluation (OpenRLHF's, at
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ def disco_targets(runs: Sequence[Run], costs: Mapping[str, dict | None]) -> dict
     targets = {}
     for run in runs:
         cost = costs.get(run.name)
-        if run.method == "disco" and run.seed is not None and cost and cost["evaluations"]:
+        if run.role == "reference" and run.seed is not None and cost and cost["evaluations"]:
             targets[run.seed] = cost["evaluations"][-1]["pass@1"]
     return targets
 
@@ -97,7 +97,7 @@ def _amount(value: float) -> str:
     return f"{value:.3g}"
 
 
-def _cell(value: Mapping[str, float] | None, show=_amount) -> str:
+def _cell(value: Mapping[str, float] | None, show: Callable[[float], str] = _amount) -> str:
     if not value:
         return "-"
     mean, low, high = (value[k] for k in ("mean", "min", "max"))
@@ -108,7 +108,9 @@ def _percent(value: float) -> str:
     return f"{100 * value:.0f}%"
 
 
-def cost_markdown(rows: Sequence[Mapping], entries: Sequence[Mapping], label) -> list[str]:
+def cost_markdown(
+    rows: Sequence[Mapping], entries: Sequence[Mapping], label: Callable[[Mapping], str]
+) -> list[str]:
     """The report's "Training cost" section: the per-setting table, then one line per run."""
     lines = [
         "## Training cost",
