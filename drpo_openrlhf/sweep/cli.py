@@ -2,8 +2,9 @@
 
   drpo-sweep run SWEEP.toml --backend {local,slurm,ray} [--dry-run] [--seeds ...] [--throttle N]
   drpo-sweep status SWEEP.toml          each run: done, queued, running, failed or missing
-  drpo-sweep report SWEEP.toml          frontier.png, report.md, report.json from finished runs
-  drpo-sweep toy DIR [--seeds ...]      the demo's toy task as a sweep (CPU, local backend)
+  drpo-sweep report SWEEP.toml          frontier.png, cost.png, report.md, report.json from
+                                        finished runs (with each run's training cost)
+  drpo-sweep toy DIR [--seeds ...] [--eval-steps N]  the demo's toy task as a sweep (CPU, local)
 
 ``run`` checks the whole grid first and submits nothing if anything is wrong; re-running it
 skips finished runs and submits the failed and missing ones (docs/sweep.md). ``task`` and

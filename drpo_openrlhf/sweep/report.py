@@ -251,7 +251,8 @@ def build_report(sweep: Sweep) -> dict[str, Any]:
 
 
 def write_report(sweep: Sweep) -> Path:
-    """``report.md``, ``report.json`` and ``frontier.png`` in the sweep's output dir."""
+    """``report.md``, ``report.json``, ``frontier.png`` and (once a run logged its tokens)
+    ``cost.png`` in the sweep's output dir."""
     report = build_report(sweep)
     docs = report.pop("_docs")
     cost_points = report.pop("_cost_points")
