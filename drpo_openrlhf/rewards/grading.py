@@ -173,7 +173,7 @@ class _Gold:
     text_keys: frozenset[str]
     numbers: frozenset[Fraction]
     units: frozenset[str]
-    """The units of the label's answers, when each has one the table knows (else empty)."""
+    """The unit names of the label's answers when each ends with a unit (else empty)."""
 
 
 def _make_gold(label: object) -> _Gold:
@@ -276,8 +276,7 @@ def grade_responses(
         try:
             prepared = prepare(response, label, require_think_end)
             if not isinstance(prepared, GradeResult):
-                text_only = not (_gold(label).math or _gold(label).values)
-                prepared = _verdicts.find_or_submit(prepared, text_only, timeout_s)
+                prepared = _verdicts.find_or_submit(prepared, not _gold(label).math, timeout_s)
         except Exception:
             prepared = GradeResult(False, "error")
         if isinstance(prepared, GradeResult):
