@@ -353,7 +353,8 @@ def test_report_training_cost_per_setting_and_to_disco_s_accuracy(inputs: Path) 
     """Each run's tokens and time from its own log, the phase shares, and the tokens and time
     until its in-training evaluation first reached the last one of its seed's DisCO run
     (0.6 on seed 0, 0.5 on seed 1), as mean (min..max) over seeds; the figure is written."""
-    sweep = load_sweep(write_sweep(inputs, FRONTIER), "slurm")
+    path = write_sweep(inputs, FRONTIER)
+    sweep = load_sweep(path, "slurm")
     runs = {run.name: run for run in sweep.runs}
     logs = {
         "disco-s0": (steps(2.0, 48.0), {2: {"toy": 0.5}, 4: {"toy": 0.6}}),
@@ -366,7 +367,7 @@ def test_report_training_cost_per_setting_and_to_disco_s_accuracy(inputs: Path) 
         finish_fake_run(sweep, runs[name], 0.5, logged)
     finish_fake_run(sweep, runs["drpo-lambda0.5-s0"], 0.5)  # left no log
     finish_fake_run(sweep, runs["base-s0"], 0.4)
-    write_report(sweep)
+    assert main(["report", str(path)]) == 0  # drpo-sweep report
     report = json.loads((sweep.output_dir / "report.json").read_text())
     rows = {(r["method"], r["param"]): r for r in report["cost"]}
     drpo = rows[("DRPO", "0.1")]
