@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -137,3 +139,27 @@ def test_the_entry_point_refuses_it_before_anything_starts(llama, tmp_path, caps
         train.parse(["--actor.model_name_or_path", str(bad), *flags])
     assert refused.value.code == 2
     assert "loads its tokenizer as LlamaTokenizer" in capsys.readouterr().err
+
+
+def test_vllm_llama_holds_every_sent_tensor_in_its_place(llama: Path) -> None:
+    """The weight check against vLLM's own ``LlamaForCausalLM`` (its ``load_weights`` fuses
+    q/k/v and gate/up; the untied LM head is its own parameter, which a sync must fill):
+    tests/llama_sync_layout.py in a process of its own."""
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("llama_sync_layout.py")), str(llama)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["problems"] == []
+    loads = result["loads"]
+    assert loads["lm_head.weight"] == [["lm_head.weight", ""]]
+    assert loads["model.layers.0.self_attn.k_proj.weight"] == [
+        ["model.layers.0.self_attn.qkv_proj.weight", "k"]
+    ]
+    assert loads["model.layers.1.mlp.up_proj.weight"] == [
+        ["model.layers.1.mlp.gate_up_proj.weight", "1"]
+    ]
+    assert result["without_head"] == ["vLLM parameter 'lm_head.weight' was not loaded by this sync"]
