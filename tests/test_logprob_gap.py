@@ -13,6 +13,7 @@ from drpo_openrlhf.algo.logprob_gap import (
     derived_limit,
     logprob_gap,
     pooled_gap,
+    probe_gap,
 )
 
 
@@ -75,3 +76,9 @@ def test_gap_limit_is_derived_from_the_first_exactly_checked_rollout():
     unchecked = GapLimit(None, exact_start=False)
     assert unchecked.limit_for(0.04) == (FALLBACK_LIMIT, None) and unchecked.honest is None
     assert GapLimit(0.2, exact_start=True).limit_for(0.001) == (0.2, None)
+
+
+def test_probe_gap_compares_token_by_token():
+    assert probe_gap([-1.0, -2.0, -0.5], [-1.1, -2.0, -0.2]) == pytest.approx((0.4 / 3, 0.3))
+    with pytest.raises(ValueError, match="probe log-probs of 2 and 3 tokens"):
+        probe_gap([-1.0, -2.0], [-1.0, -2.0, -3.0])

@@ -57,6 +57,9 @@ def test_an_engine_one_sync_behind_stops_the_run(toy, tmp_path, monkeypatch):
     assert done.returncode != 0
     out = done.output
     assert "of the sync before loaded" in out  # the first sync was whole, the second lagged
+    for when in ("before the first rollout", "after rollout step 1"):  # checks passed, probed
+        assert f"drpo_openrlhf: weight probe {when}: |vLLM - actor| log-prob" in out, when
+    assert "drpo_openrlhf: honest rollout log-prob gap" in out  # step 1, weights checked
     assert f"{GUARD} after rollout step 2" in out, out[-3000:]
     assert "engine 0 of 1:" in out and "holds other values than the actor sent" in out
 

@@ -78,3 +78,12 @@ class GapLimit:
             f"checked to hold the actor's exact weights); limit from now on {limit:.3g} "
             f"(max({HONEST_FACTOR:g} x honest, {MIN_LIMIT:g}); --drpo.max_logprob_gap fixes it)"
         )
+
+
+def probe_gap(actor: list[float], engine: list[float]) -> tuple[float, float]:
+    """Mean and max of ``|engine - actor|`` over the tokens of the weight probe: the same fixed
+    sequence scored token by token by a vLLM engine and by the actor."""
+    if len(actor) != len(engine) or not actor:
+        raise ValueError(f"probe log-probs of {len(actor)} and {len(engine)} tokens")
+    gaps = [abs(e - a) for a, e in zip(actor, engine, strict=True)]
+    return sum(gaps) / len(gaps), max(gaps)

@@ -109,7 +109,7 @@ def rollout_logprob_stats(experiences: list, limit: GapLimit) -> dict[str, float
     mean, largest = pooled_gap(parts)
     max_gap, derived = limit.limit_for(mean)
     if derived:
-        logger.info(derived)
+        print(f"drpo_openrlhf: {derived}", flush=True)  # a Ray actor logs no INFO
     if mean > max_gap:
         honest = "not measured" if limit.honest is None else f"{limit.honest:.3g}"
         raise LogprobGapError(

@@ -10,13 +10,15 @@ trained for 32 steps and exited 0 (issue 22). Three mixins close that:
   gathered for sending, by seeing the ``update_weight`` call it makes on the first engine;
   and, before the first rollout, the shape and digest of every tensor it would send.
 - ``SyncReportingEngine`` (vLLM engine actors): forwards ``map_weight_layout``,
-  ``begin_weight_sync`` and ``weight_sync_report`` to every worker (``vllm_sync_worker``).
+  ``begin_weight_sync`` and ``weight_sync_report`` to every worker (``vllm_sync_worker``),
+  and scores the probe.
 - ``VerifiedSyncTrainer`` (the driver's trainer): at start-up, has every worker map where
   each actor tensor lives in its parameters and, unless the run resumes (its first sync comes
   first), compares what the engines hold with the actor's weights; around each sync, starts
   the recording, then compares what every engine loaded and holds with what was sent
   (``weight_digest.check_sync``). A difference stops the run with ``WeightSyncError`` naming
-  the engine, the parameters and the step.
+  the engine, the parameters and the step. After each check every engine and the actor score
+  a fixed probe text token by token (``drpo/probe_logprob_gap``, and a line in the log).
 """
 
 from __future__ import annotations
@@ -28,10 +30,19 @@ from typing import Any
 import deepspeed
 import ray
 import torch
+from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
 
+from drpo_openrlhf.algo.logprob_gap import probe_gap
 from drpo_openrlhf.integration.weight_digest import Digest, WorkerReport, check_sync, digest
 
 SYNC_METHODS = ("update_weight", "update_weight_cuda_ipc")
+# The weight probe: a fixed text every engine and the actor score token by token after each
+# check, so that what the digests cannot see (a kernel, attention or rotary setting, a stale
+# cache) shows as a number.
+PROBE_TEXT = (
+    "Weight probe. The quick brown fox jumps over the lazy dog; 12 + 30 = 42, and 7 x 6 is 42 "
+    "too. Therefore, the answer is \\boxed{42}."
+)
 
 
 class _DigestingMethod:
@@ -92,6 +103,20 @@ class SentDigestsActor:
     def sent_weight_digests(self) -> dict[str, Digest] | None:
         return self._sent_digests
 
+    def probe_logprobs(self, token_ids: list[int]) -> list[float]:
+        """The actor's log-prob of each probe token after those before it, at temperature 1
+        as vLLM's prompt log-probs; run on every rank (ZeRO-3 gathers, ring attention) through
+        the forward the experience maker uses."""
+        ids = torch.tensor([token_ids])
+        actor, temperature = self.actor, self.actor.temperature
+        actor.temperature = 1.0
+        try:
+            mask = torch.ones(1, len(token_ids) - 1, dtype=torch.bool)
+            log_probs = self.forward(ids, mask, torch.ones_like(ids))
+        finally:
+            actor.temperature = temperature
+        return log_probs[0].float().tolist()
+
     def actor_weights(self, digests: bool) -> dict[str, tuple] | None:
         """On rank 0, name -> (shape as sent, digest or None) of every tensor a sync sends
         (``broadcast_to_vllm``'s selection); the digests need each parameter gathered, on every
@@ -104,9 +129,9 @@ class SentDigestsActor:
         for name, param in model.named_parameters():
             if vlm and not param.requires_grad:
                 continue
-            shape = tuple(param.ds_shape if args.ds.zero_stage == 3 else param.shape)
-            if not digests:
-                weights[name] = (shape, None)
+            if not digests and args.ds.tensor_parallel_size == 1:  # no gather needed
+                shape = param.ds_shape if args.ds.zero_stage == 3 else param.shape
+                weights[name] = (tuple(shape), None)
                 continue
             if args.ds.tensor_parallel_size > 1:
                 gather = deepspeed.module_inject.layers.GatherReplacedLayerParams(
@@ -114,9 +139,10 @@ class SentDigestsActor:
                 )
             else:
                 gather = deepspeed.zero.GatheredParameters([param], enabled=args.ds.zero_stage == 3)
-            with gather:
+            with gather:  # shapes as broadcast_to_vllm reads them, inside its gather
+                shape = param.ds_shape if args.ds.zero_stage == 3 else param.shape
                 if rank0:
-                    weights[name] = (shape, digest(param.data))
+                    weights[name] = (tuple(shape), digest(param.data) if digests else None)
         return weights if rank0 else None
 
 
@@ -131,6 +157,18 @@ class SyncReportingEngine:
 
     async def weight_sync_report(self) -> list[dict]:
         return await self.llm.collective_rpc("weight_sync_report")
+
+    async def probe_logprobs(self, token_ids: list[int]) -> list[float]:
+        """vLLM's log-prob of each probe token after those before it (prompt log-probs: from
+        the raw logits, temperature 1)."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        output = await self.generate(token_ids, params)
+        return [
+            entry[token].logprob
+            for token, entry in zip(token_ids[1:], output.prompt_logprobs[1:], strict=True)
+        ]
 
 
 def worker_report(raw: dict) -> WorkerReport:
@@ -147,6 +185,7 @@ class VerifiedSyncTrainer:
     ``broadcast_to_vllm`` are checked."""
 
     _sync_when = "at the start of the resumed run"
+    _probe_gap: float | None = None
 
     def _actor_weights(self, digests: bool) -> dict[str, tuple]:
         ranks = ray.get(
@@ -165,17 +204,44 @@ class VerifiedSyncTrainer:
         if not _verifying(self.args) or not self.vllm_engines:
             return states
         resuming = states["global_step"] > 0
+        if self.args.vllm.enable_sleep and not resuming:  # asleep since start: weights on host
+            batch_vllm_engine_call(self.vllm_engines, "wake_up", tags=["weights"])
         weights = self._actor_weights(digests=not resuming)
         shapes = {name: shape for name, (shape, _) in weights.items()}
         ray.get([engine.map_weight_layout.remote(shapes) for engine in self.vllm_engines])
         if not resuming:
             actor = {name: d for name, (_, d) in weights.items()}
             check_sync(actor, self._engine_reports(), "before the first rollout", synced=False)
+            self._probe("before the first rollout")
         return states
+
+    def _probe(self, when: str) -> None:
+        """Score the probe text on every engine and the actor; log the largest mean gap. Not
+        with ``--vllm.enable_sleep``: after a sync the engines' KV cache is asleep until
+        OpenRLHF wakes it to generate, and the memory plan counts on that."""
+        if self.args.vllm.enable_sleep:
+            print(f"drpo_openrlhf: weight probe {when}: skipped (--vllm.enable_sleep)", flush=True)
+            return
+        ids = self.tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
+        actor = ray.get(
+            self.actor_model_group.async_run_method(method_name="probe_logprobs", token_ids=ids)
+        )[0]
+        engines = ray.get([engine.probe_logprobs.remote(ids) for engine in self.vllm_engines])
+        gaps = [probe_gap(actor, engine) for engine in engines]
+        self._probe_gap = max(mean for mean, _ in gaps)
+        print(
+            f"drpo_openrlhf: weight probe {when}: |vLLM - actor| log-prob over {len(actor)} "
+            "fixed tokens: "
+            + ", ".join(f"engine {i} mean {m:.3g} max {x:.3g}" for i, (m, x) in enumerate(gaps)),
+            flush=True,
+        )
 
     def train_step(self, rollout_samples, global_step: int):
         self._sync_when = f"after rollout step {global_step + 1}"
-        return super().train_step(rollout_samples, global_step)
+        status, step = super().train_step(rollout_samples, global_step)
+        if self._probe_gap is not None:
+            status["drpo/probe_logprob_gap"] = self._probe_gap
+        return status, step
 
     def broadcast_to_vllm(self) -> None:
         if not _verifying(self.args):
@@ -185,3 +251,4 @@ class VerifiedSyncTrainer:
         ranks = ray.get(self.actor_model_group.async_run_method(method_name="sent_weight_digests"))
         sent = next(s for s in ranks if s is not None)
         check_sync(sent, self._engine_reports(), self._sync_when)
+        self._probe(self._sync_when)
