@@ -27,19 +27,19 @@ def float64_default():
     torch.set_default_dtype(previous)
 
 
-@pytest.fixture(scope="session")
-def toy(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The demo's quick base policy (about half its rollouts correct) and its data, for the
-    tests that run the real pipeline (``base``: an HF model dir; ``train``/``eval``: jsonl)."""
+def _toy(root: Path, architecture: str) -> dict[str, Path]:
+    """The demo's quick base policy (about half its rollouts correct) and its data
+    (``base``: an HF model dir; ``train``/``eval``: jsonl)."""
     from drpo_openrlhf.demo.run import DemoConfig, make_problems
     from drpo_openrlhf.demo.sft import train_sft
     from drpo_openrlhf.demo.toy_model import build_toy_model
     from drpo_openrlhf.demo.toy_task import sample_traces, write_jsonl
 
     config = DemoConfig.quick()
-    root = tmp_path_factory.mktemp("toy")
     train_problems, eval_problems = make_problems(config)
-    init = build_toy_model(root / "init", hidden_size=config.hidden_size, seed=0)
+    init = build_toy_model(
+        root / "init", hidden_size=config.hidden_size, seed=0, architecture=architecture
+    )
     traces = sample_traces(random.Random(1), config.task, train_problems)
     base = train_sft(init, root / "base", traces, config.sft, progress=False)
     return {
@@ -47,3 +47,16 @@ def toy(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "train": write_jsonl(train_problems, root / "train.jsonl"),
         "eval": write_jsonl(eval_problems[:16], root / "eval.jsonl"),
     }
+
+
+@pytest.fixture(scope="session")
+def toy(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The toy task on a Qwen2 policy, for the tests that run the real pipeline."""
+    return _toy(tmp_path_factory.mktemp("toy"), "qwen2")
+
+
+@pytest.fixture(scope="session")
+def toy_llama(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The same on a Llama policy with DeepSeek-R1-Distill-Llama's chat format (the 8B
+    recipe's architecture; ``drpo_openrlhf/tiny_model.py``)."""
+    return _toy(tmp_path_factory.mktemp("toy-llama"), "llama")

@@ -125,13 +125,23 @@ def assert_drpo_trained(out: Path, base: Path, steps: int) -> dict[str, dict[int
     return logged
 
 
-def test_drpo_zero2_with_eval_then_resume_from_its_checkpoint(toy, ray_address, tmp_path):
+def test_drpo_zero2_with_eval_then_resume_from_its_checkpoint(toy_llama, ray_address, tmp_path):
+    """On the 8B recipe's architecture (a tiny Llama: untied LM head, no biases, llama3 RoPE,
+    grouped KV heads, DeepSeek-R1-Distill-Llama's chat format and BOS; tests/conftest.py),
+    through the weight-sync check, evaluation and a resume."""
+    toy = toy_llama
     out = tmp_path / "run"
     eval_flags = ("--eval.dataset", str(toy["eval"]), "--eval.steps", "1")
     first = train(toy, out, "--ds.zero_stage", "2", *eval_flags, ray_address=ray_address)
     assert first.returncode == 0, first.output[-3000:]
     logged = assert_drpo_trained(out, toy["base"], steps=2)
     assert any(tag.startswith("eval/") for tag in logged), sorted(logged)
+    # the untied LM head was trained and synced like every other tensor
+    trained = load_file(out / "model" / "model.safetensors")
+    assert not torch.equal(
+        trained["lm_head.weight"].float(),
+        load_file(toy["base"] / "model.safetensors")["lm_head.weight"].float(),
+    )
 
     resumed = train(
         toy,
