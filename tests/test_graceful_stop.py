@@ -1,20 +1,30 @@
 """The graceful stop (``integration/graceful_stop.py``) in the trainer, without Ray: a trainer
 built by hand runs OpenRLHF's own ``save_logs_and_checkpoints`` against a stand-in actor group
-that records each ``save_checkpoint``. The launcher's side is in tests/test_slurm_recipes.py,
-the entry point's in tests/test_train_cli.py."""
+that records each ``save_checkpoint``; the generator's cancelling runs its real watcher thread
+against stand-in requests. The launcher's side is in tests/test_slurm_recipes.py (with the
+real pipeline: a request during generation), the entry point's in tests/test_train_cli.py."""
 
 from __future__ import annotations
 
+import json
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from openrlhf.trainer import ppo_trainer
+from openrlhf.trainer.ppo_utils import samples_generator
 from openrlhf.utils.config import hierarchize
+from ray.exceptions import TaskCancelledError
 
 from drpo_openrlhf.integration import ray_actors
 from drpo_openrlhf.integration.graceful_stop import (
+    STEP_TIMES_FILE,
     STOP_FILE,
+    RolloutCanceller,
+    StepTimes,
+    StopBeforeUpdate,
     StopRequested,
     clear_stale_request,
 )
@@ -63,24 +73,39 @@ def trainer(ckpt: Path) -> ray_actors._GroupAwarePPOTrainer:
     t.actor_model_group, t.critic_model_group = RecordingActorGroup(), None
     t.wandb_logger, t.tensorboard_logger = None, Tracker()
     t.best_eval_metric_key = t.best_eval_metric_value = t._latest_eval_metric_value = None
+    t.samples_generator = SimpleNamespace(canceller=RolloutCanceller(str(ckpt), cancel=print))
+    t._step_times, t._finished = StepTimes(str(ckpt)), None
     return t
+
+
+def timings(step: int) -> dict[str, float]:
+    return {"timing/generation": 10.0, "timing/make_experience": 2.0, "timing/ppo_train": step}
 
 
 @pytest.fixture
 def steps(monkeypatch):
-    """OpenRLHF's ``fit`` reduced to its per-step call, for 12 steps; ``request_at`` holds the
-    steps before whose save the request file appears."""
+    """OpenRLHF's ``fit`` reduced to a step's calls, for 12 steps: generation, the update
+    (``ppo_train``, ours then a stand-in for OpenRLHF's), the save. ``request_at`` holds the
+    steps after whose update the request file appears; ``request_before_update`` those during
+    whose generation it does."""
     request_at: set[int] = set()
+    request_before_update: set[int] = set()
     monkeypatch.setattr(ppo_trainer, "ray", SimpleNamespace(get=lambda refs: refs))
+    monkeypatch.setattr(OPENRLHF_TRAINER, "ppo_train", lambda self, step: {})
 
     def fit(self, global_step=0):
         for step in range(1, 13):
+            request = Path(self.args.ckpt.path) / STOP_FILE
+            if step in request_before_update:
+                request.touch()
+            self.ppo_train(step)
             if step in request_at:
-                (Path(self.args.ckpt.path) / STOP_FILE).touch()
-            self.save_logs_and_checkpoints(step, {}, {"global_step": step})
+                request.touch()
+            state = {"global_step": step, "data_loader_state_dict": {"consumed": 4 * step}}
+            self.save_logs_and_checkpoints(step, timings(step), state)
 
     monkeypatch.setattr(OPENRLHF_TRAINER, "fit", fit)
-    return request_at
+    return SimpleNamespace(after_update=request_at, before_update=request_before_update)
 
 
 def saved_tags(t) -> list[str]:
@@ -89,7 +114,7 @@ def saved_tags(t) -> list[str]:
 
 def test_a_stop_request_saves_that_step_through_openrlhf_and_ends_the_run(tmp_path, steps):
     t = trainer(tmp_path)
-    steps.add(3)
+    steps.after_update.add(3)
     with pytest.raises(StopRequested, match=r"^stop requested: saved global_step3, stopping$"):
         t.fit()
     assert saved_tags(t) == ["global_step3"]
@@ -102,7 +127,7 @@ def test_a_stop_request_saves_that_step_through_openrlhf_and_ends_the_run(tmp_pa
 
 def test_a_request_at_a_regular_save_step_saves_it_once(tmp_path, steps):
     t = trainer(tmp_path)
-    steps.add(10)
+    steps.after_update.add(10)
     with pytest.raises(StopRequested, match="saved global_step10,"):
         t.fit()
     assert saved_tags(t) == ["global_step5", "global_step10"]
@@ -113,6 +138,134 @@ def test_without_a_request_only_the_regular_steps_are_saved(tmp_path, steps):
     t.fit()
     assert saved_tags(t) == ["global_step5", "global_step10"]
     assert t.tensorboard_logger.logged == list(range(1, 13))
+
+
+def test_a_request_before_the_update_saves_the_previous_step_as_it_ended(tmp_path, steps):
+    """Before step 4's update the actor holds step 3's weights: step 3's checkpoint, with the
+    client states (data-loader position) step 3 ended with, not step 4's."""
+    t = trainer(tmp_path)
+    steps.before_update.add(4)
+    with pytest.raises(StopRequested) as stop:
+        t.fit()
+    assert str(stop.value) == (
+        "stop requested: saved global_step3, stopping (step 4 was dropped before its update; "
+        "a resume generates it again)"
+    )
+    ((tag, states),) = t.actor_model_group.saved
+    assert tag == "global_step3" and states["data_loader_state_dict"] == {"consumed": 12}
+    assert "best_eval_metric_key" in states  # through OpenRLHF's own save code
+    assert t.tensorboard_logger.logged == [1, 2, 3] and t.tensorboard_logger.closed
+    assert t.args.ckpt.save_steps == SAVE_STEPS
+
+
+def test_a_request_before_the_update_after_a_regular_save_saves_nothing_again(tmp_path, steps):
+    t = trainer(tmp_path)
+    steps.before_update.add(SAVE_STEPS + 1)
+    with pytest.raises(StopRequested, match=rf"^stop requested: global_step{SAVE_STEPS} is saved,"):
+        t.fit()
+    assert saved_tags(t) == [f"global_step{SAVE_STEPS}"]
+
+
+def test_a_request_before_the_first_step_finished_saves_nothing(tmp_path, steps):
+    t = trainer(tmp_path)
+    steps.before_update.add(1)
+    with pytest.raises(StopRequested, match="before this run finished a step: nothing new"):
+        t.fit()
+    assert saved_tags(t) == [] and t.tensorboard_logger.closed
+
+
+def test_each_step_writes_its_phase_times_and_the_longest_update_and_save(tmp_path, steps):
+    t = trainer(tmp_path)
+    steps.after_update.add(7)
+    with pytest.raises(StopRequested):
+        t.fit()
+    times = json.loads((tmp_path / STEP_TIMES_FILE).read_text())
+    assert times["step"] == 7
+    assert times["phases_s"] == {"generation": 10.0, "make_experience": 2.0, "ppo_train": 7.0}
+    assert times["longest_update_and_sync_s"] == 7.0  # ppo_train 1..7 s, no broadcast here
+    assert times["longest_save_s"] is not None and times["longest_save_s"] >= 0
+
+
+class Engines:
+    """What the generator asks of the vLLM engines: requests (refs), their cancelling, sleep."""
+
+    def __init__(self) -> None:
+        self.cancelled: set[int] = set()
+        self.calls: list[str] = []
+
+
+@pytest.fixture
+def generator(tmp_path, monkeypatch):
+    """``StoppableSamplesGenerator`` over a stand-in of OpenRLHF's generation: it sends two
+    requests and waits for them as ``_generate_vllm`` does, failing with Ray's
+    ``TaskCancelledError`` on a cancelled one; ``hold`` keeps them unfinished (5 s); ``late`` makes
+    the request file appear as they finish (before the watcher's next look)."""
+    engines, hold, late = Engines(), threading.Event(), threading.Event()
+
+    def dispatch(self, prompts, labels, **kwargs):
+        return [0, 1]
+
+    def generate_samples(self, **kwargs):
+        refs = self._dispatch_prompts_to_vllm(["p"], ["l"])
+        held_until = time.monotonic() + 5.0
+        while hold.is_set() and time.monotonic() < held_until:
+            if engines.cancelled & set(refs):
+                raise TaskCancelledError()
+            time.sleep(0.01)
+        if late.is_set():
+            (tmp_path / STOP_FILE).touch()
+        return ["rollout"], None, 1, False
+
+    monkeypatch.setattr(samples_generator.SamplesGenerator, "_dispatch_prompts_to_vllm", dispatch)
+    monkeypatch.setattr(samples_generator.SamplesGenerator, "generate_samples", generate_samples)
+    monkeypatch.setattr(
+        ray_actors.vllm_engine,
+        "batch_vllm_engine_call",
+        lambda engine_list, method: engines.calls.append(method),
+    )
+    g = ray_actors.StoppableSamplesGenerator.__new__(ray_actors.StoppableSamplesGenerator)
+    g.args = SimpleNamespace(ckpt=SimpleNamespace(path=str(tmp_path)))
+    g.args.vllm = SimpleNamespace(enable_sleep=True)
+    g.vllm_engines = ["engine"]
+    g.canceller = RolloutCanceller(str(tmp_path), cancel=engines.cancelled.add, poll_s=0.05)
+    request = tmp_path / STOP_FILE
+    return SimpleNamespace(g=g, engines=engines, hold=hold, late=late, request=request)
+
+
+def test_a_request_during_generation_cancels_it_within_the_poll(generator):
+    generator.hold.set()
+    timer = threading.Timer(0.3, generator.request.touch)
+    timer.start()
+    started = time.monotonic()
+    with pytest.raises(StopBeforeUpdate):
+        generator.g.generate_samples()
+    assert time.monotonic() - started < 0.3 + 2.0  # the poll is 0.05 s; generous for load
+    assert generator.engines.cancelled == {0, 1}
+    assert generator.engines.calls == ["sleep"]  # as after any generation (sleep mode)
+
+
+def test_without_a_request_a_generation_runs_to_its_end(generator):
+    assert generator.g.generate_samples() == (["rollout"], None, 1, False)
+    assert generator.engines.cancelled == set() and generator.engines.calls == []
+
+
+def test_a_request_before_or_after_a_generation_drops_its_rollout(generator):
+    generator.request.touch()  # before: nothing is sent
+    with pytest.raises(StopBeforeUpdate):
+        generator.g.generate_samples()
+    generator.request.unlink()
+    generator.late.set()  # after: the rollout is complete, the update has not begun
+    with pytest.raises(StopBeforeUpdate):
+        generator.g.generate_samples()
+    assert generator.engines.cancelled == set() and generator.engines.calls == []
+
+
+def test_a_cancelled_request_without_a_stop_request_is_an_error(generator):
+    generator.hold.set()
+    threading.Timer(0.2, lambda: generator.engines.cancelled.add(0)).start()
+    with pytest.raises(TaskCancelledError):
+        generator.g.generate_samples()
+    assert generator.engines.calls == []
 
 
 def test_a_stale_request_is_removed_and_said(tmp_path):

@@ -7,8 +7,10 @@ node must be able to ``import drpo_openrlhf`` (same environment, or a ``runtime_
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
+import time
 from contextlib import nullcontext
 from dataclasses import asdict
 
@@ -16,6 +18,7 @@ import ray
 from openrlhf.trainer import ppo_trainer
 from openrlhf.trainer.ppo_utils import samples_generator
 from openrlhf.trainer.ray import ppo_actor, vllm_engine
+from ray.exceptions import TaskCancelledError
 
 from drpo_openrlhf.algo import DRPOConfig
 from drpo_openrlhf.algo.logprob_gap import GapLimit, logprob_gap, pooled_gap
@@ -26,8 +29,12 @@ from drpo_openrlhf.integration.checkpoints import CompleteCheckpointActor
 from drpo_openrlhf.integration.cpu_support import CPU_WORKER_EXTENSION
 from drpo_openrlhf.integration.experience import GroupTaggingExperienceMaker
 from drpo_openrlhf.integration.graceful_stop import (
+    RolloutCanceller,
+    StepTimes,
+    StopBeforeUpdate,
     StopRequested,
     saving_this_step,
+    stop_message,
     stop_requested,
 )
 from drpo_openrlhf.integration.positive_engine import PositiveRewardEngine
@@ -157,11 +164,41 @@ class _MaxStepsReached(Exception):
     """Raised after the checkpoint of the last step to leave OpenRLHF's episode loops."""
 
 
+class StoppableSamplesGenerator(samples_generator.SamplesGenerator):
+    """OpenRLHF's generator whose rollouts a stop request can drop (``graceful_stop``): it
+    looks for the request before generating and once the rollout is complete, and its vLLM
+    requests go to a ``RolloutCanceller`` meanwhile."""
+
+    canceller: RolloutCanceller
+
+    def _dispatch_prompts_to_vllm(self, *args, **kwargs):
+        refs = super()._dispatch_prompts_to_vllm(*args, **kwargs)
+        self.canceller.track(refs)
+        return refs
+
+    def generate_samples(self, **generate_kwargs):
+        if stop_requested(self.args.ckpt.path):
+            raise StopBeforeUpdate
+        try:
+            samples = super().generate_samples(**generate_kwargs)
+        except TaskCancelledError:
+            if not self.canceller.requested:
+                raise
+            if self.args.vllm.enable_sleep:  # as after any generation: the save needs memory
+                vllm_engine.batch_vllm_engine_call(self.vllm_engines, "sleep")
+            raise StopBeforeUpdate from None
+        finally:
+            self.canceller.finished()
+        if self.canceller.requested or stop_requested(self.args.ckpt.path):
+            raise StopBeforeUpdate
+        return samples
+
+
 class _GroupAwarePPOTrainer(VerifiedSyncTrainer, ppo_trainer.PPOTrainer.__ray_actor_class__):
     """Installs the experience-maker hook: group tags for DRPO, reward shaping for baselines;
     keeps the shaper's state (HAPO's history) in OpenRLHF's checkpoints; stops the run after
-    ``--drpo.max_steps`` rollout steps, or with a checkpoint of the step at which a stop was
-    requested (``graceful_stop``)."""
+    ``--drpo.max_steps`` rollout steps, or at the next safe point once a stop is requested,
+    with a checkpoint of the last finished step (``graceful_stop``)."""
 
     def __init__(self, *args, **kwargs):
         if not getattr(samples_generator.SamplingParams, "_drpo_logprobs", False):
@@ -180,6 +217,11 @@ class _GroupAwarePPOTrainer(VerifiedSyncTrainer, ppo_trainer.PPOTrainer.__ray_ac
         else:
             self.experience_maker.__class__ = GroupTaggingExperienceMaker
             configure_positive_reward(self.vllm_engines, self.args)
+        self.samples_generator.__class__ = StoppableSamplesGenerator
+        self.samples_generator.canceller = RolloutCanceller(self.args.ckpt.path, ray.cancel)
+        self._step_times = StepTimes(self.args.ckpt.path)
+        # (step, client states at its end, saved?) of the last finished step of this run
+        self._finished: tuple[int, dict, bool] | None = None
 
     @property
     def _shaper(self) -> GroupRewardShaper | None:
@@ -196,8 +238,14 @@ class _GroupAwarePPOTrainer(VerifiedSyncTrainer, ppo_trainer.PPOTrainer.__ray_ac
         if self._shaper is not None:
             client_states = {**(client_states or {}), SHAPING_STATE: self._shaper.state_dict()}
         stopping = stop_requested(self.args.ckpt.path)
+        saving = stopping or global_step % self.args.ckpt.save_steps == 0
+        # as OpenRLHF gets them: a stop before the next update saves this step with them
+        self._finished = (global_step, copy.deepcopy(client_states), saving)
+        started = time.monotonic()
         with saving_this_step(self.args.ckpt) if stopping else nullcontext():
             super().save_logs_and_checkpoints(global_step, logs_dict, client_states)
+        save_s = time.monotonic() - started if saving else None
+        self._step_times.record(global_step, logs_dict or {}, save_s)
         if self.tensorboard_logger:  # a run that stops on a fault keeps every step's metrics
             self.tensorboard_logger.writer.flush()
         if stopping:
@@ -205,6 +253,27 @@ class _GroupAwarePPOTrainer(VerifiedSyncTrainer, ppo_trainer.PPOTrainer.__ray_ac
         max_steps = self.args.drpo_run.max_steps
         if max_steps is not None and global_step >= max_steps:
             raise _MaxStepsReached
+
+    def ppo_train(self, global_steps: int):
+        if stop_requested(self.args.ckpt.path):  # the last safe point before the weights change
+            raise StopBeforeUpdate
+        return super().ppo_train(global_steps)
+
+    def _save_finished_step(self) -> str:
+        """Save the last finished step (unless a save has), with its own client states: the
+        actor has not changed since. Returns the run's last line."""
+        if self._finished is None:
+            return stop_message(None, saved_now=False)
+        step, client_states, saved = self._finished
+        if not saved:
+            loggers = self.wandb_logger, self.tensorboard_logger
+            self.wandb_logger = self.tensorboard_logger = None  # the step is logged already
+            try:
+                with saving_this_step(self.args.ckpt):
+                    super().save_logs_and_checkpoints(step, {}, client_states)
+            finally:
+                self.wandb_logger, self.tensorboard_logger = loggers
+        return stop_message(step, saved_now=not saved)
 
     def fit(self, global_step: int = 0) -> None:
         try:
@@ -215,6 +284,13 @@ class _GroupAwarePPOTrainer(VerifiedSyncTrainer, ppo_trainer.PPOTrainer.__ray_ac
         except StopRequested:  # the driver ends the run on it, without OpenRLHF's final save
             self._close_trackers()
             raise
+        except (StopBeforeUpdate, TaskCancelledError) as error:
+            cancelled = isinstance(error, TaskCancelledError)  # an evaluation's requests
+            if cancelled and not self.samples_generator.canceller.requested:
+                raise
+            message = self._save_finished_step()
+            self._close_trackers()
+            raise StopRequested(message) from None
 
     def _close_trackers(self) -> None:
         for tracker in (self.wandb_logger, self.tensorboard_logger):
