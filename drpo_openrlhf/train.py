@@ -26,7 +26,7 @@ from drpo_openrlhf.integration.device import DEVICES
 from drpo_openrlhf.integration.graceful_stop import StopRequested, clear_stale_request
 from drpo_openrlhf.integration.tokenizer_check import check_tokenizer
 from drpo_openrlhf.integration.layout import Layout, data_parallel_size
-from drpo_openrlhf.openrlhf_cli import openrlhf_parser
+from drpo_openrlhf.openrlhf_cli import check_openrlhf_validation, openrlhf_parser
 from drpo_openrlhf.rewards import positive_reward
 
 
@@ -431,10 +431,12 @@ def parse(argv: list[str]) -> tuple[DRPOConfig, SimpleNamespace, list[str]]:
         if getattr(args, "rollout.max_new_tokens") is None:  # no budget: C from --data.max_len
             config = replace(config, max_len=openrlhf_flags.length_reward_c(args))
         memory = memory_plan.check(args)
+        openrlhf_argv = with_defaults(openrlhf_args_of(argv), defaults)
+        check_openrlhf_validation(openrlhf_argv)
     except ValueError as error:  # LayoutError included
         parser.error(str(error))
     run.memory_plan = memory.table() if memory else None
-    return config, run, with_defaults(openrlhf_args_of(argv), defaults)
+    return config, run, openrlhf_argv
 
 
 def main(argv: list[str] | None = None) -> None:

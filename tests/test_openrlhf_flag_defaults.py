@@ -136,6 +136,23 @@ def test_values_a_run_would_die_of_are_refused_naming_the_flag(flag, value, caps
     assert message is not None and flag in message, message
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--train.colocate_all", "--vllm.num_engines", "1"], "--train.colocate_all"),
+        (["--rollout.vllm_generate_batch_size", "8"], "requires --train.async_enable"),
+        (["--train.partial_rollout_enable"], "requires --train.async_enable"),
+    ],
+)
+def test_openrlhfs_own_checks_run_before_anything_starts(flags, message, capsys):
+    """OpenRLHF asserts these in its ``__main__`` or ``train()``, after the entry point has
+    started Ray on a CPU run; now they are usage errors (the first is ours, the others are
+    OpenRLHF's own assertions run at parse time: ``openrlhf_cli.check_openrlhf_validation``)."""
+    argv = [*without(BASE, "--vllm.num_engines"), "--vllm.num_engines", "2"]
+    got = outcome([*without(argv, flags[0]), *flags], capsys)
+    assert got is not None and message in got, got
+
+
 @pytest.mark.parametrize("flag", ["--actor.model_name_or_path", "--vllm.num_engines"])
 def test_required_flags_left_at_openrlhfs_default_are_refused_naming_them(flag, capsys):
     message = outcome(without(BASE, flag), capsys)

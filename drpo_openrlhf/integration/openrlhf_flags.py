@@ -73,6 +73,18 @@ def check(args: argparse.Namespace) -> None:
             continue
         if value < 1:
             raise ValueError(f"--{name} must be >= 1, got {value}")
+    engine_gpus = _flag(args, "vllm.num_engines") * _flag(args, "vllm.tensor_parallel_size")
+    actor_gpus = _flag(args, "actor.num_nodes") * _flag(args, "actor.num_gpus_per_node")
+    if (
+        _flag(args, "train.colocate_all")
+        and not _flag(args, "train.async_enable")
+        and engine_gpus != actor_gpus
+    ):  # OpenRLHF asserts it in train(), after Ray and the placement group are up
+        raise ValueError(
+            "--train.colocate_all shares each actor GPU with one vLLM engine rank: "
+            f"--vllm.num_engines x --vllm.tensor_parallel_size ({engine_gpus}) must equal "
+            f"--actor.num_nodes x --actor.num_gpus_per_node ({actor_gpus})"
+        )
     zero = _flag(args, "ds.zero_stage")
     if zero not in ZERO_STAGES:
         raise ValueError(f"--ds.zero_stage must be one of {ZERO_STAGES}, got {zero}")
