@@ -27,6 +27,7 @@ from drpo_openrlhf.integration.graceful_stop import (
     StopBeforeUpdate,
     StopRequested,
     clear_stale_request,
+    stop_advice,
 )
 from drpo_openrlhf.openrlhf_cli import openrlhf_parser
 
@@ -274,3 +275,27 @@ def test_a_stale_request_is_removed_and_said(tmp_path):
     message = clear_stale_request(str(tmp_path))
     assert message == f"removed the stop request {tmp_path / STOP_FILE} left by an earlier run"
     assert not (tmp_path / STOP_FILE).exists()
+
+
+def test_the_stop_advice_sizes_the_grace_from_the_measured_times(tmp_path):
+    assert stop_advice(str(tmp_path), 240).startswith("no step has finished yet")
+    times = {"step": 3, "phases_s": {"generation": 400.0, "ppo_train": 100.0}}
+    record = tmp_path / STEP_TIMES_FILE
+    record.write_text(
+        json.dumps({**times, "longest_update_and_sync_s": 110.0, "longest_save_s": None})
+    )
+    assert stop_advice(str(tmp_path), 240) == (
+        "step 3: generation 400s, ppo_train 100s; the run's longest update + sync 110s, "
+        "no save measured yet"
+    )
+    record.write_text(
+        json.dumps({**times, "longest_update_and_sync_s": 110.0, "longest_save_s": 60.0})
+    )
+    assert stop_advice(str(tmp_path), 240).endswith(
+        "longest save 60s: a stop needs up to about 200s, within STOP_GRACE_S=240s"
+    )
+    # 200 s does not fit 180: half as much again (300 s) in whole minutes, + 60 s after it
+    assert stop_advice(str(tmp_path), 180).endswith(
+        "more than STOP_GRACE_S=180s: this stop may come too late; submit the next run with "
+        "sbatch --signal=B:USR1@360 and STOP_GRACE_S=300"
+    )
