@@ -6,8 +6,8 @@ transformers 5, a ``tokenizer_config.json`` naming ``LlamaTokenizerFast`` over a
 ``LlamaTokenizer``, which rebuilds a SentencePiece-style tokenizer around the vocabulary: spaces
 vanish from every prompt and the decoded responses are garbled, silently (transformers issue
 45488). transformers special-cases the Hub ids ``deepseek-ai/deepseek-r1-distill-*``, so a run
-from the Hub id works and the same model from a local copy (an offline cluster, a DRPO
-checkpoint) does not. Compared here: the tokenizer as loaded against ``tokenizer.json`` itself.
+from the Hub id works and the same files downloaded to a local directory (an offline cluster)
+do not. Compared here: the tokenizer as loaded against ``tokenizer.json`` itself.
 """
 
 from __future__ import annotations
