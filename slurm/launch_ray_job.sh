@@ -561,10 +561,11 @@ stop_slurm_nodes() {
   scancel --signal=TERM "$SLURM_JOB_ID" || log "scancel --signal=TERM $SLURM_JOB_ID failed"
 }
 
-# The time-limit warning: ask the running job to save the step it is on and stop (the
-# trainer looks for the request file after every step), and give it STOP_GRACE_S. A job that
-# has not ended by then is stopped by the teardown, as without the request: the rerun resumes
-# from its last complete checkpoint. A SIGTERM meanwhile still tears down at once.
+# The time-limit warning: ask the running job to stop at its next safe point with a checkpoint
+# of its last finished step (the trainer drops a rollout whose update has not begun, else
+# finishes that step: docs/reliability.md), and give it STOP_GRACE_S. A job that has not ended
+# by then is stopped by the teardown, as without the request: the rerun resumes from its last
+# complete checkpoint. A SIGTERM meanwhile still tears down at once.
 # shellcheck disable=SC2329  # run by on_signal
 stop_gracefully() {
   ((job_running && STOP_GRACE_S > 0)) || return 0
@@ -572,8 +573,13 @@ stop_gracefully() {
     log "could not write $stop_file: stopping the job without a last checkpoint"
     return 0
   fi
-  log "asked the job to save its current step and stop ($stop_file);" \
+  log "asked the job to save its last finished step and stop ($stop_file);" \
     "waiting up to ${STOP_GRACE_S}s (STOP_GRACE_S)"
+  # what the run measured (drpo_step_times.json beside the request), against the grace
+  local advice='import sys; from drpo_openrlhf.integration.graceful_stop import stop_advice
+print(stop_advice(sys.argv[1], int(sys.argv[2])))'
+  log "$(cd "$repo_dir" && "$PYTHON" -c "$advice" "${stop_file%/*}" "$STOP_GRACE_S" 2>&1 |
+    tail -n 1)"
   local started=$SECONDS rc=0
   wait_exit "$STOP_GRACE_S" "$submit_pid"
   if kill -0 "$submit_pid" 2>/dev/null; then
