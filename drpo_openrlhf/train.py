@@ -24,8 +24,8 @@ from drpo_openrlhf.integration import memory_plan, openrlhf_flags, preflight
 from drpo_openrlhf.integration.checkpoints import innermost, prepare_resume, stop_message
 from drpo_openrlhf.integration.device import DEVICES
 from drpo_openrlhf.integration.graceful_stop import StopRequested, clear_stale_request
-from drpo_openrlhf.integration.tokenizer_check import check_tokenizer
 from drpo_openrlhf.integration.layout import Layout, data_parallel_size
+from drpo_openrlhf.integration.tokenizer_check import check_tokenizer
 from drpo_openrlhf.openrlhf_cli import check_openrlhf_validation, openrlhf_parser
 from drpo_openrlhf.rewards import positive_reward
 
