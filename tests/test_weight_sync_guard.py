@@ -73,7 +73,7 @@ def test_without_the_guard_the_same_breakages_run_through(toy, tmp_path, monkeyp
     other = another_checkpoint(toy, tmp_path / "other")
     breaks = {
         "0": {**ONE_STEP_BREAKS["0"], **PLACES["0"], "lag": True},
-        "1": {"nothing": True, **PLACES["1"], "start_from": str(other)},
+        "1": {"nothing": True, "start_from": str(other)},
     }
     done = broken_run(
         toy,
