@@ -195,17 +195,18 @@ def test_an_engine_that_fails_to_start_stops_the_run(toy, ray_address, inject, t
     """The engine's start-up fails (as vLLM's CPU build fails a TP-2 engine: 'current platform
     cpu does not support ray'). Actor rank 0 waited for it to join the weight-sync group, up
     to 10 minutes, silent; now the run stops once the actor is up, naming the engine's own
-    error in its last line, and no process is left."""
+    error in its stop line, and no process is left."""
     inject(fault="engine_start", step=1)
     run = Run(toy, tmp_path, ray_address=ray_address, steps=1)
     code, took = run.finish(timeout=ENGINE_START_BOUND_S)
     assert code == 1, run.output[-3000:]
-    last = run.output.strip().splitlines()[-1]
-    assert last.startswith(f"{STOP}EngineStartError: vLLM engine 0 of 1 failed to start: "), last
-    assert last.endswith(
+    # the driver's stop line; Ray may still echo a worker's log line after it
+    line = stop_line(run.output)
+    assert line.startswith(f"{STOP}EngineStartError: vLLM engine 0 of 1 failed to start: "), line
+    assert line.endswith(
         "ValueError: injected: this vLLM engine cannot start. No complete "
         "checkpoint: a rerun starts from the beginning."
-    ), last
+    ), line
     print(f"TIME engine start failure: the run ended {took:.1f} s after it started")
 
 
