@@ -81,9 +81,9 @@ def train_command(toy, out: Path, *flags: str, steps: int = 2) -> list[str]:
 
 
 def train_env(ray_address: str | None, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    if ray_address:
-        env["RAY_ADDRESS"] = ray_address
+    """The run's environment: it joins ``ray_address``, or starts its own cluster even where
+    an earlier ``ray start`` left its address file behind (``RAY_ADDRESS=local``)."""
+    env = {**os.environ, "RAY_ADDRESS": ray_address or "local"}
     return {**env, **extra}
 
 
