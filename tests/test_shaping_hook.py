@@ -1,6 +1,7 @@
 """The baselines' hook inside OpenRLHF's experience maker (driver side), on fake rollouts."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from openrlhf.utils.config import hierarchize
 from drpo_openrlhf.algo.shaper import GroupRewardShaper
 from drpo_openrlhf.algo.shaping import shape_rewards
 from drpo_openrlhf.integration import ray_actors
+from drpo_openrlhf.integration.graceful_stop import StepTimes
 from drpo_openrlhf.integration.shaping import (
     ShapingExperienceMaker,
     advantage_signal_stats,
@@ -101,15 +103,24 @@ def test_openrlhfs_advantages_use_the_shaped_rewards(method, estimator, hparams)
     assert stats["rollout/frac_correct_negative_signal"] == pytest.approx(negative / sum(flat_ok))
 
 
-def test_hapo_history_across_steps_and_checkpoint(monkeypatch):
+def hand_built_trainer(experience_maker, max_steps: int | None, ckpt: Path):
+    """The driver's trainer without Ray or OpenRLHF's constructor: only what its step hooks
+    read (the maker, the args, no loggers, the step-times record in ``ckpt``)."""
+    trainer = ray_actors._GroupAwarePPOTrainer.__new__(ray_actors._GroupAwarePPOTrainer)
+    trainer.experience_maker = experience_maker
+    trainer.args = experience_maker.args
+    trainer.args.ckpt.path = str(ckpt)
+    trainer.args.drpo_run = type("Run", (), {"max_steps": max_steps, "verify_weight_sync": False})()
+    trainer.wandb_logger = trainer.tensorboard_logger = None
+    trainer._step_times = StepTimes(str(ckpt))
+    return trainer
+
+
+def test_hapo_history_across_steps_and_checkpoint(monkeypatch, tmp_path):
     first = maker("hapo", "group_norm", w=1.0)
     step1 = first.compute_advantages_and_returns(fake_rollout(ORDER))
     assert all(torch.equal(e.rewards, e.scores) for e in step1)  # no history yet: no length term
-    trainer = ray_actors._GroupAwarePPOTrainer.__new__(ray_actors._GroupAwarePPOTrainer)
-    trainer.experience_maker = first
-    trainer.args = first.args
-    trainer.args.drpo_run = type("Run", (), {"max_steps": None})()
-    trainer.wandb_logger = trainer.tensorboard_logger = None
+    trainer = hand_built_trainer(first, None, tmp_path)
     saved = {}
     base = OPENRLHF_TRAINER
     monkeypatch.setattr(
@@ -138,12 +149,8 @@ def test_hapo_history_across_steps_and_checkpoint(monkeypatch):
     assert rewards[0] < 1.0 and rewards[1] > rewards[0]
 
 
-def test_max_steps_stops_after_the_checkpoint_of_that_step(monkeypatch):
-    trainer = ray_actors._GroupAwarePPOTrainer.__new__(ray_actors._GroupAwarePPOTrainer)
-    trainer.experience_maker = maker("alp", "group_norm", beta=1e-3)
-    trainer.args = trainer.experience_maker.args
-    trainer.args.drpo_run = type("Run", (), {"max_steps": 3})()
-    trainer.wandb_logger = trainer.tensorboard_logger = None
+def test_max_steps_stops_after_the_checkpoint_of_that_step(monkeypatch, tmp_path):
+    trainer = hand_built_trainer(maker("alp", "group_norm", beta=1e-3), 3, tmp_path)
     base = OPENRLHF_TRAINER
     saved_steps = []
 
