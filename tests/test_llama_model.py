@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_tiny_model import TEXTS  # the same awkward texts for both tokenizers
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -25,12 +26,6 @@ from drpo_openrlhf.tiny_model import (
     LLAMA_USER,
     build_tiny_model,
 )
-
-TEXTS = [
-    "What is 123 + 45? <think>\n123 + 45 = 168.\n</think> \\boxed{168}",
-    "It's \\frac{1}{2}, isn't it?!  Tabs\tand\r\nnewlines\n\n",
-    "Ünïcode café 日本語 ∑ x² — ok",
-]
 
 
 @pytest.fixture(scope="module")
