@@ -1,5 +1,9 @@
 """Runs OpenRLHF's real actor update (DeepSpeed on gloo, CPU) with DRPO swapped in, and the
-single-process one-piece reference it must match. Used by the exactness tests."""
+single-process one-piece reference it must match. Used by the exactness tests.
+
+``DRPO_TEST_DEVICE=cuda`` runs the DeepSpeed ranks on GPUs instead (NCCL, one GPU per rank,
+fp32 without TF32); worlds larger than the GPU count are skipped. The reference stays on the
+CPU, so the comparison also covers CUDA's kernels against the CPU's."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import torch
 N, PROMPTS, TRAIN_BATCH = 4, 8, 16  # responses per prompt, prompts per rollout, per step
 MAX_TOKENS = 40  # --train.max_tokens_per_gpu of the dynamic-batching cases
 VOCAB, LR = 48, 0.05
+DEVICE = os.environ.get("DRPO_TEST_DEVICE", "cpu")
 
 
 @dataclass(frozen=True)
@@ -246,7 +251,11 @@ def run_rank(rank: int, world: int, port: int, cases: list[Case], out_dir: str) 
     """One rank: OpenRLHF strategy + actor + trainer, DRPO's ppo_train. Under ring attention
     the ``case.ring`` consecutive ranks of a ring group receive the same share, as OpenRLHF's
     driver deals it."""
-    actor_setup.set_rank_env(rank, world, port)
+    actor_setup.set_rank_env(rank, world, port, DEVICE)
+    if DEVICE == "cuda":
+        torch.cuda.set_device(rank)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     import transformers.modeling_flash_attention_utils as hf_flash
 
     from drpo_openrlhf.integration import chunked_actor
@@ -262,22 +271,23 @@ def run_rank(rank: int, world: int, port: int, cases: list[Case], out_dir: str) 
         hf_flash._flash_attention_forward = unwrapped
         shared = case.ring * case.tp  # consecutive ranks holding the same responses
         local, info = rank_share(case, rank // shared, world // shared)
-        strategy = actor_setup.setup_strategy(openrlhf_args(case, world), "fp32")
+        strategy = actor_setup.setup_strategy(openrlhf_args(case, world), "fp32", DEVICE)
         attention = "flash_attention_2" if case.ring > 1 else "sdpa"
         with actor_setup.fp32_tensor_parallel():
             actor, optim, scheduler = actor_setup.prepare_actor(strategy, tiny_model(attention))
         chunked_actor.install(actor, case.chunk)
-        trainer = actor_setup.ppo_trainer(strategy, actor, optim, scheduler)
+        trainer = actor_setup.ppo_trainer(strategy, actor, optim, scheduler, DEVICE)
         trainer.__class__ = DRPOActorTrainer
         trainer.enable_drpo(drpo_config(case))
         local_data = {k: v[local] for k, v in data.items()}
         trainer.replay_buffer.append(actor_setup.experience(local_data, old[local], info))
         forwards = count_forwards(actor)
         slices = record_slices(actor, actor.model.module)
-        with actor_setup.cuda_queries_answered("cpu", "cpu"):
+        with actor_setup.cuda_queries_answered(DEVICE, "cpu"):
             status = trainer.ppo_train(0.0)
         local_numel = sum(p.numel() for p in actor.model.module.parameters())
         weights = actor_setup.whole_parameters(actor.model.module, case.zero_stage, case.tp)
+        weights = [w.cpu() for w in weights]
         if rank == 0:
             result = {
                 "weights": weights,
@@ -299,12 +309,21 @@ def run_cases(cases: dict[int, list[Case]], out_dirs, prefix: str) -> dict:
 
     results = {}
     for world, world_cases in cases.items():
+        if DEVICE == "cuda" and world > torch.cuda.device_count():
+            continue  # one GPU per rank: the tests of this world skip (``result``)
         out = out_dirs.mktemp(f"{prefix}{world}")
         args = (world, free_port(), world_cases, str(out))
         mp.spawn(run_rank, args=args, nprocs=world, join=True)
         for case in world_cases:
             results[world, case] = torch.load(out / f"{case.name}.pt")
     return results
+
+
+def result(results: dict, world: int, case: Case) -> dict:
+    """The distributed run's result; skips a world that had too few GPUs to run."""
+    if (world, case) not in results:
+        pytest.skip(f"{world} ranks need {world} GPUs")
+    return results[world, case]
 
 
 def assert_matches_reference(got: dict, case: Case, world: int) -> None:

@@ -16,6 +16,7 @@ from drpo_actor_harness import (
     assert_matches_reference,
     dynamic_microsteps,
     one_pass_expected,
+    result,
     rollout,
     run_cases,
     whole_group_microsteps,
@@ -69,7 +70,7 @@ def distributed_results(tmp_path_factory):
     ("world", "case"), [(w, c) for w, cases in CASES.items() for c in cases], ids=str
 )
 def test_drpo_update_matches_one_piece_reference(distributed_results, world, case):
-    assert_matches_reference(distributed_results[world, case], case, world)
+    assert_matches_reference(result(distributed_results, world, case), case, world)
 
 
 @pytest.mark.slow
@@ -82,7 +83,7 @@ def test_forwards_per_optimizer_step(distributed_results, world, case):
     """Forwards per rank: one per micro-batch when global micro-steps hold whole groups, plus
     the penalty pass's on the steps that needed it (mini-batch KL); otherwise the scores pass
     adds as many again on every optimizer step but the rollout's first."""
-    got = distributed_results[world, case]
+    got = result(distributed_results, world, case)
     steps = PROMPTS * N // TRAIN_BATCH
     micro_steps = TRAIN_BATCH // world // case.micro_batch_size
     status = got["status"]
@@ -102,7 +103,7 @@ def test_forwards_per_optimizer_step(distributed_results, world, case):
 def test_penalty_pass_runs_only_when_the_minibatch_kl_exceeds_delta(distributed_results):
     """The first step of a rollout has KL 0 (no second pass); later ones here exceed delta."""
     for world, case in [(1, Case(2, 4)), (2, Case(3, 2)), (4, Case(3, 2))]:
-        status = distributed_results[world, case]["status"]
+        status = result(distributed_results, world, case)["status"]
         steps = PROMPTS * N // TRAIN_BATCH
         assert 0 < status["drpo/penalty_pass"] <= (steps - 1) / steps
 
@@ -111,7 +112,7 @@ def test_penalty_pass_runs_only_when_the_minibatch_kl_exceeds_delta(distributed_
 def test_dynamic_one_pass_runs_one_forward_per_global_micro_step(distributed_results):
     """No scores pass: every rank forwards once per packed micro-step of every step."""
     case = Case(2, 1, packing=True, dynamic=True, kl_estimate="microstep")
-    got = distributed_results[2, case]
+    got = result(distributed_results, 2, case)
     data = rollout()
     lengths = data["attention_mask"].sum(-1)
     groups_per_step = TRAIN_BATCH // N

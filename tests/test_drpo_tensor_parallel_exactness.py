@@ -11,7 +11,7 @@ model is kept in fp32 here (``actor_setup.fp32_tensor_parallel``) so that the co
 exact."""
 
 import pytest
-from drpo_actor_harness import Case, assert_matches_reference, run_cases, tiny_model
+from drpo_actor_harness import Case, assert_matches_reference, result, run_cases, tiny_model
 
 CASES = {
     2: [  # one tensor-parallel group: TP=2, DP=1
@@ -39,11 +39,11 @@ def test_tensor_parallel_drpo_update_matches_one_piece_reference(
     tensor_parallel_results, world, case
 ):
     shared = case.ring * case.tp
-    assert_matches_reference(tensor_parallel_results[world, case], case, world // shared)
+    assert_matches_reference(result(tensor_parallel_results, world, case), case, world // shared)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("world", "case"), PARAMS, ids=str)
 def test_tensor_parallel_ranks_hold_a_share_of_the_layers(tensor_parallel_results, world, case):
     full = sum(p.numel() for p in tiny_model().parameters())
-    assert tensor_parallel_results[world, case]["local_numel"] < 0.75 * full
+    assert result(tensor_parallel_results, world, case)["local_numel"] < 0.75 * full

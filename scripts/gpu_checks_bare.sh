@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# DRPO's GPU checks on a machine that has CUDA torch but none of Ray, vLLM, DeepSpeed and
+# OpenRLHF, and no package index (this workplace's lent GPU machine; docs/status.md):
+# the actor-update exactness tests on CUDA (one GPU: their one-rank worlds), the device
+# gradient check against fp64 (scripts/smoke_gradient.py) and the actor-update benchmark
+# (scripts/bench_actor_update.py --device cuda). What needs vLLM or Ray stays in
+# scripts/smoke_gpu.sh, for a real GPU node.
+#   bash scripts/gpu_checks_bare.sh download   # here, with PyPI and .venv: wheels into .whl/
+#   bash scripts/gpu_checks_bare.sh run [OUT]  # there, .whl/ carried: logs into OUT
+# The wheels are the pinned versions of what the actor path imports and that machine lacks
+# (transformers too: its own is newer); its torch stays (the pin, 2.13, is not carried).
+# Ray and vLLM, which OpenRLHF's actor modules import but the update never calls, are
+# import-only stand-ins (tests/bare_gpu_site).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WHEELS=(openrlhf==0.11.2 transformers==5.15.0 tokenizers==0.22.2 hjson==3.1.0 pydantic==2.14.4
+  pydantic_core==2.50.5 annotated_types==0.8.0 typing_inspection==0.4.5 datasets==5.2.0
+  dill==0.4.1 multiprocess==0.70.19 torchdata==0.11.0 optree==0.20.0 jsonlines==4.0.0
+  pylatexenc==2.11 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2 math-verify==0.9.0)
+
+download() {
+  local platforms=() p
+  for p in manylinux_2_28 manylinux_2_27 manylinux_2_17 manylinux2014 manylinux1; do
+    platforms+=(--platform "${p}_x86_64")
+  done
+  mkdir -p .whl
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp "${platforms[@]}" --platform any -d .whl "${WHEELS[@]}"
+  # DeepSpeed publishes an sdist only; its wheel is pure Python without prebuilt ops
+  DS_BUILD_OPS=0 .venv/bin/pip wheel -q --no-deps --no-build-isolation deepspeed==0.19.6 -w .whl
+}
+
+step() {  # step NAME SECONDS CMD...: run one check, log it, go on to the next on failure
+  local name=$1 limit=$2 rc=0
+  shift 2
+  local start=$SECONDS
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1 || rc=$?
+  echo "$name: rc=$rc, $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"
+  tail -n 25 "$OUT/$name.log"
+}
+
+run() {
+  OUT=${1:-gpu-checks}
+  mkdir -p "$OUT"
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/drpo-site .whl/*.whl
+  # no flash-attn there: its stand-in lets OpenRLHF's actor module import; the checks use sdpa
+  export PYTHONPATH="$PWD:$PWD/tests/bare_gpu_site:$PWD/tests/cpu_site:/tmp/drpo-site"
+  export HF_HUB_OFFLINE=1 TORCHDYNAMO_DISABLE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+  {
+    date -u
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+    python3 -c 'import torch, transformers, deepspeed, openrlhf
+print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name())
+print("transformers", transformers.__version__, "deepspeed", deepspeed.__version__)'
+  } >"$OUT/env.txt" 2>&1
+  cat "$OUT/env.txt"
+  step exactness 240 env DRPO_TEST_DEVICE=cuda python3 -m pytest -p no:cacheprovider -q \
+    --timeout 230 tests/test_drpo_actor_exactness.py
+  step gradient_bf16 60 python3 scripts/smoke_gradient.py --work /tmp/sg --device cuda \
+    --dtype bf16 --seeds 5
+  step gradient_fp32 60 python3 scripts/smoke_gradient.py --work /tmp/sg --device cuda \
+    --dtype fp32 --seeds 5
+  step bench 300 python3 scripts/bench_actor_update.py --device cuda --repeats 2 \
+    --json "$OUT/bench.json"
+}
+
+"$@"
