@@ -2,8 +2,10 @@
 one-rank gloo group): vLLM's own ``LlamaForCausalLM`` built from a model directory on CPU,
 its weight layout mapped and a sync of the Hugging Face model's bf16 tensors recorded by the
 weight check's recorder (``vllm_sync_worker``), as an engine's worker does. Prints JSON: the
-problems of a whole sync, the places each name went, and the problems of a sync without
-``lm_head.weight`` (what a sender that takes the model for tied would send).
+problems of a whole sync, the places each name went, the problems of a sync without
+``lm_head.weight`` (what a sender that takes the model for tied would send), how many names
+the layout map ran through vLLM's loaders, and whether its map equals the one made name by
+name (where no layer can reuse another's).
 
 Usage: ``python tests/llama_sync_layout.py MODEL_DIR``.
 """
@@ -59,7 +61,21 @@ def main(model_dir: str) -> None:
         torch.set_default_dtype(torch.float32)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     sent = {name: tensor.detach() for name, tensor in hf.named_parameters()}
-    worker.map_weight_layout({name: tuple(t.shape) for name, t in sent.items()})
+    shapes = {name: tuple(t.shape) for name, t in sent.items()}
+    worker.map_weight_layout({})  # instrument the model, then count the loads of the map
+    model = worker.model_runner.model
+    load_weights, loaded = model.load_weights, []
+    model.load_weights = lambda weights: load_weights(
+        loaded.extend(n for n, _ in weights) or weights
+    )
+    worker.map_weight_layout(shapes)
+    model.load_weights = load_weights
+    layout = dict(worker._drpo_layout)
+    one_by_one = {}
+    for name, shape in shapes.items():
+        worker.map_weight_layout({name: shape})
+        one_by_one.update(worker._drpo_layout)
+    worker.map_weight_layout(shapes)
 
     def sync(tensors: dict) -> tuple[list[str], dict]:
         worker.begin_weight_sync()
@@ -70,7 +86,9 @@ def main(model_dir: str) -> None:
 
     problems, loads = sync(sent)
     without_head, _ = sync({n: t for n, t in sent.items() if n != "lm_head.weight"})
-    print(json.dumps({"problems": problems, "loads": loads, "without_head": without_head}))
+    result = {"problems": problems, "loads": loads, "without_head": without_head}
+    result.update(mapped=len(loaded), names=len(shapes), same_map=layout == one_by_one)
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import pytest
 import torch
 from test_tiny_model import TEXTS  # the same awkward texts for both tokenizers
 from tokenizers import Tokenizer
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from drpo_openrlhf.eval.runner import encode_prompt
 from drpo_openrlhf.integration.tokenizer_check import check_tokenizer, tokenizer_problem
@@ -136,10 +136,17 @@ def test_the_entry_point_refuses_it_before_anything_starts(llama, tmp_path, caps
     assert "loads its tokenizer as LlamaTokenizer" in capsys.readouterr().err
 
 
-def test_vllm_llama_holds_every_sent_tensor_in_its_place(llama: Path) -> None:
+def test_vllm_llama_holds_every_sent_tensor_in_its_place(tmp_path: Path) -> None:
     """The weight check against vLLM's own ``LlamaForCausalLM`` (its ``load_weights`` fuses
     q/k/v and gate/up; the untied LM head is its own parameter, which a sync must fill):
-    tests/llama_sync_layout.py in a process of its own."""
+    tests/llama_sync_layout.py in a process of its own. Four layers: the layout map runs the
+    loaders for the first two and the embeddings, and layers 2 and 3 reuse it, giving the map
+    that name-by-name loading gives."""
+    llama = build_tiny_model(tmp_path / "model", architecture="llama")
+    config = AutoConfig.from_pretrained(llama)
+    config.num_hidden_layers = 4
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(llama)
     done = subprocess.run(
         [sys.executable, str(Path(__file__).with_name("llama_sync_layout.py")), str(llama)],
         capture_output=True,
@@ -158,3 +165,9 @@ def test_vllm_llama_holds_every_sent_tensor_in_its_place(llama: Path) -> None:
         ["model.layers.1.mlp.gate_up_proj.weight", "1"]
     ]
     assert result["without_head"] == ["vLLM parameter 'lm_head.weight' was not loaded by this sync"]
+    per_layer = (result["names"] - 3) // 4  # all but the embeddings, final norm and LM head
+    assert result["mapped"] == result["names"] - 2 * per_layer  # layers 2 and 3 reused
+    assert result["same_map"]
+    assert loads["model.layers.3.self_attn.v_proj.weight"] == [
+        ["model.layers.3.self_attn.qkv_proj.weight", "v"]
+    ]

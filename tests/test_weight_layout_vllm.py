@@ -172,3 +172,57 @@ def test_a_square_matrix_loaded_transposed(monkeypatch):
     transposed = {**weights, "o_proj.weight": weights["o_proj.weight"].t()}
     problems = sync(workers, [transposed] * 2, weights)
     assert len(problems) == 1 and "'o_proj.weight'" in problems[0], problems
+
+
+class Layers(nn.Module):
+    """Four layers of one 3 x 3 weight each, loaded into the top half of a 6 x 3 parameter;
+    layer ``odd`` loads into the bottom half (a loader that depends on the layer)."""
+
+    def __init__(self, odd: int | None) -> None:
+        super().__init__()
+        self.weights = nn.ParameterDict({str(i): nn.Parameter(torch.zeros(6, 3)) for i in range(4)})
+        self.odd = odd
+
+    def named_parameters(self, *args, **kwargs):
+        for i, param in self.weights.items():
+            yield f"model.layers.{i}.w", param
+
+    @staticmethod
+    def into_rows(param: torch.Tensor, tensor: torch.Tensor, row: int) -> None:
+        param.data[row : row + 3] = tensor
+
+    def load_weights(self, weights) -> None:
+        for name, tensor in weights:
+            layer = int(name.split(".")[2])
+            param = self.weights[str(layer)]
+            param.weight_loader(param, tensor, 3 if layer == self.odd else 0)
+
+
+@pytest.mark.parametrize("odd", [1, 2, None])
+def test_layers_reuse_the_first_layers_map_only_where_it_holds(odd):
+    """A layer whose loader differs among the first two: no layer reuses a map, and every
+    place is the loaders' own. One that differs later gets the first layer's places (the map
+    cannot see it without running its loader); its digest then differs, so the check stops
+    the run naming it: loud, never a wrong weight accepted. vLLM's loaders belong to the
+    parameter's class, not to its layer."""
+    names = {f"model.layers.{i}.w": (3, 3) for i in range(4)}
+    model = Layers(odd)
+    for param in model.weights.values():
+        param.weight_loader = Layers.into_rows
+    worker = Worker(model)
+    worker.map_weight_layout(names)
+    one_by_one = {}
+    for name, shape in names.items():
+        worker.map_weight_layout({name: shape})
+        one_by_one.update(worker._drpo_layout)
+    worker.map_weight_layout(names)
+    if odd != 2:  # mapped through the loaders, or reused where every layer loads alike
+        assert worker._drpo_layout == one_by_one
+    else:  # layer 2 reuses layer 0's map; the check below sees it differs from its loader
+        assert worker._drpo_layout != one_by_one
+    sent = {name: torch.randn(shape) for name, shape in names.items()}
+    problems = sync([worker], [sent], sent)
+    if odd != 2:
+        assert problems == []
+    else:
+        assert len(problems) == 1 and "'model.layers.2.w'" in problems[0], problems

@@ -14,13 +14,17 @@ holding ``1 + position`` at each position, and lets each parameter's loader writ
 zeroed integer stand-in of the parameter (on the CPU, the real parameter untouched). What
 the loader wrote says which block of the parameter holds which block of the sent tensor
 (renamed, fused into ``qkv_proj`` / ``gate_up_proj``, sharded by rows or columns, KV heads
-replicated, vocabulary padded): ``weight_digest.Block``.
+replicated, vocabulary padded): ``weight_digest.Block``. Decoder layers load alike, so once a
+tensor's first two layers map to the same places (layer index aside), the other layers reuse
+that map instead of running the loaders again: the map then costs two layers and the
+embeddings, not the whole model (about 2.5 min per worker at 7B before, docs/performance.md).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import re
 from typing import Any
 
 import torch
@@ -38,6 +42,14 @@ def _shard_label(args: tuple, kwargs: dict) -> str:
     """The shard id(s) a loader was called with ('q', 0, an expert id, ...), for messages."""
     values = [*args, *kwargs.values()]
     return ",".join(str(v) for v in values if not isinstance(v, torch.Tensor))
+
+
+LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+def in_layer(name: str, layer: str) -> str:
+    """``name`` with its decoder-layer index replaced by ``layer`` (unchanged outside layers)."""
+    return LAYER.sub(f".layers.{layer}.", name, count=1)
 
 
 def position_tensor(shape: tuple[int, ...]) -> torch.Tensor:
@@ -115,16 +127,51 @@ class WeightSyncRecorder:
 
     def map_weight_layout(self, shapes: dict[str, tuple[int, ...]]) -> None:
         """Find, through vLLM's loaders, the block(s) of this worker's parameters that hold
-        each of the actor's tensors (``shapes``: name -> shape as sent)."""
+        each of the actor's tensors (``shapes``: name -> shape as sent). A tensor of a third
+        or later decoder layer reuses its first layer's map when the first two layers mapped
+        alike and its own parameters have the same shapes; anything else goes through the
+        loaders."""
         self._drpo_instrument()
         model = self._drpo_model()
+        params = dict(model.named_parameters())
         self._drpo_layout, self._drpo_shapes = {}, dict(shapes)
+        first: dict[tuple[str, tuple[int, ...]], str] = {}  # per tensor kind: its first layer
+        alike: set[tuple[str, tuple[int, ...]]] = set()
         try:
             with torch.no_grad():
                 for name, shape in shapes.items():
+                    kind = (in_layer(name, "*"), tuple(shape)) if LAYER.search(name) else None
+                    if kind in alike and self._drpo_reuse(first[kind], name, params):
+                        continue
                     model.load_weights(weights=[(name, position_tensor(tuple(shape)))])
+                    if kind is None:
+                        continue
+                    if kind not in first:
+                        first[kind] = name
+                    elif self._drpo_layout.get(name) == self._drpo_moved(first[kind], name):
+                        alike.add(kind)
         finally:
             self._drpo_shapes = None
+
+    def _drpo_moved(self, source: str, name: str) -> list[tuple[str, Block | None]] | None:
+        """``source``'s map with its parameters moved to ``name``'s decoder layer."""
+        blocks = self._drpo_layout.get(source)
+        if blocks is None:
+            return None
+        layer = LAYER.search(name).group(1)
+        return [(in_layer(param, layer), block) for param, block in blocks]
+
+    def _drpo_reuse(self, source: str, name: str, params: dict[str, torch.Tensor]) -> bool:
+        """Give ``name`` ``source``'s map in its own layer if its parameters exist there with
+        the same shapes."""
+        moved = self._drpo_moved(source, name)
+        same = moved is not None and all(
+            p in params and params[p].shape == params[q].shape
+            for (p, _), (q, _) in zip(moved, self._drpo_layout[source], strict=True)
+        )
+        if same:
+            self._drpo_layout[name] = moved
+        return same
 
     def begin_weight_sync(self) -> None:
         """Start recording which parameter each received tensor is loaded into."""
