@@ -30,7 +30,6 @@ import argparse
 import json
 import math
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -119,19 +118,15 @@ MODES = {
 
 def toy_policy(setup: Setup) -> tuple[Path, Path]:
     """The demo's quick SFT policy (about half its answers right) and its prompts; built once."""
-    from drpo_openrlhf.demo.run import DemoConfig, make_problems
-    from drpo_openrlhf.demo.sft import train_sft
-    from drpo_openrlhf.demo.toy_model import build_toy_model
-    from drpo_openrlhf.demo.toy_task import sample_traces, write_jsonl
+    from drpo_openrlhf.demo.run import DemoConfig, make_problems, train_base
+    from drpo_openrlhf.demo.toy_task import write_jsonl
 
     root = setup.work / "toy"
     data = root / "train.jsonl"
     if not (root / "base" / "config.json").exists():
         config = DemoConfig.quick()
         problems, _ = make_problems(config)
-        init = build_toy_model(root / "init", hidden_size=config.hidden_size, seed=0)
-        traces = sample_traces(random.Random(1), config.task, problems)
-        train_sft(init, root / "base", traces, config.sft, progress=False)
+        train_base(config, root / "init", root / "base", problems)
         write_jsonl(problems, data)
     return root / "base", data
 

@@ -1,7 +1,7 @@
 """Shared test set-up: offline, deterministic, no torch.compile."""
 
 import os
-import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -12,6 +12,7 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import toy_base
 from stand_ins import install_stand_ins
 
 install_stand_ins()
@@ -28,22 +29,15 @@ def float64_default():
 
 
 def _toy(root: Path, architecture: str) -> dict[str, Path]:
-    """The demo's quick base policy (about half its rollouts correct) and its data
-    (``base``: an HF model dir; ``train``/``eval``: jsonl)."""
+    """The demo's quick base policy (about half its rollouts correct), shipped with the tests
+    (``tests/toy_base.py``) and copied, and its data (``base``: an HF model dir;
+    ``train``/``eval``: jsonl)."""
     from drpo_openrlhf.demo.run import DemoConfig, make_problems
-    from drpo_openrlhf.demo.sft import train_sft
-    from drpo_openrlhf.demo.toy_model import build_toy_model
-    from drpo_openrlhf.demo.toy_task import sample_traces, write_jsonl
+    from drpo_openrlhf.demo.toy_task import write_jsonl
 
-    config = DemoConfig.quick()
-    train_problems, eval_problems = make_problems(config)
-    init = build_toy_model(
-        root / "init", hidden_size=config.hidden_size, seed=0, architecture=architecture
-    )
-    traces = sample_traces(random.Random(1), config.task, train_problems)
-    base = train_sft(init, root / "base", traces, config.sft, progress=False)
+    train_problems, eval_problems = make_problems(DemoConfig.quick())
     return {
-        "base": base,
+        "base": Path(shutil.copytree(toy_base.FIXTURES / architecture, root / "base")),
         "train": write_jsonl(train_problems, root / "train.jsonl"),
         "eval": write_jsonl(eval_problems[:16], root / "eval.jsonl"),
     }

@@ -470,8 +470,8 @@ def test_cost_figure_draws_seeds_at_their_mean_with_error_bars() -> None:
 
 
 def test_toy_writes_the_demo_s_inputs_and_a_runnable_sweep(tmp_path: Path, capsys) -> None:
-    """Bases already there are kept, so this test skips the minutes of SFT (test_demo and the
-    e2e tests run it)."""
+    """Bases already there are kept, so this test skips the minutes of SFT (test_toy_base tests
+    the SFT)."""
     for seed in (0, 1):
         build_tiny_model(tmp_path / "toy" / f"seed{seed}" / "base")
     argv = ["toy", str(tmp_path / "toy"), "--seeds", "0", "1", "--quick", "--steps", "4"]

@@ -21,7 +21,7 @@ import pytest
 from drpo_openrlhf.demo.run import DemoConfig, shared_flags
 from drpo_openrlhf.sweep.toy import eval_flags
 
-# Three trainings, four evaluations and (alone) the toy's SFT: about 5 minutes on the 2-core
+# Three trainings and four evaluations (the toy's base is shipped): about 5 minutes on the 2-core
 # machine by itself, several times that while other suites share it
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(2400)]
 

@@ -395,11 +395,35 @@ def misled_share(tensorboard_dir: Path) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def run_demo(config: DemoConfig, output_dir: str | Path, *, progress: bool = True) -> dict:
-    """The whole demo; returns (and writes to ``summary.json``) the table and timings."""
+def train_base(
+    config: DemoConfig,
+    init_dir: Path,
+    base_dir: Path,
+    train_problems: list[ToyProblem],
+    *,
+    architecture: str = "qwen2",
+    progress: bool = False,
+) -> Path:
+    """The demo's base policy: the toy model at ``config``'s size and seed (``init_dir``),
+    fine-tuned on traces of ``train_problems`` into ``base_dir``."""
     from drpo_openrlhf.demo.sft import train_sft
     from drpo_openrlhf.demo.toy_model import build_toy_model
-    from drpo_openrlhf.demo.toy_task import sample_traces, write_jsonl
+    from drpo_openrlhf.demo.toy_task import sample_traces
+
+    init = build_toy_model(
+        init_dir,
+        hidden_size=config.hidden_size,
+        num_layers=config.num_layers,
+        seed=config.seed,
+        architecture=architecture,
+    )
+    traces = sample_traces(random.Random(config.seed + 1), config.task, train_problems)
+    return train_sft(init, base_dir, traces, config.sft, progress=progress)
+
+
+def run_demo(config: DemoConfig, output_dir: str | Path, *, progress: bool = True) -> dict:
+    """The whole demo; returns (and writes to ``summary.json``) the table and timings."""
+    from drpo_openrlhf.demo.toy_task import write_jsonl
     from drpo_openrlhf.eval.plot import plot_tradeoff
     from drpo_openrlhf.eval.runner import RunLabel
 
@@ -412,14 +436,10 @@ def run_demo(config: DemoConfig, output_dir: str | Path, *, progress: bool = Tru
     train_file = write_jsonl(train_problems, out / "data" / "train.jsonl")
     eval_file = write_jsonl(eval_problems, out / "data" / "eval.jsonl")
 
-    init = build_toy_model(
-        out / "models" / "init",
-        hidden_size=config.hidden_size,
-        num_layers=config.num_layers,
-        seed=config.seed,
+    models_dir = out / "models"
+    base = train_base(
+        config, models_dir / "init", models_dir / "base", train_problems, progress=progress
     )
-    traces = sample_traces(random.Random(config.seed + 1), config.task, train_problems)
-    base = train_sft(init, out / "models" / "base", traces, config.sft, progress=progress)
     seconds["sft"] = time.perf_counter() - clock
 
     models: list[tuple[Path, Any]] = [(base, RunLabel(name="base", role="base"))]

@@ -6,12 +6,11 @@ policy), then a sweep file whose shared flags and evaluation protocol are the de
 from __future__ import annotations
 
 import json
-import random
 import re
 from dataclasses import replace
 from pathlib import Path
 
-from drpo_openrlhf.demo.run import DemoConfig, make_problems, shared_flags, with_seed
+from drpo_openrlhf.demo.run import DemoConfig, make_problems, shared_flags, train_base, with_seed
 
 # lambda in {0.05, 0.1, 0.2, 0.5, inf}, RLOO-LP alpha in {0.1, 0.2, 0.4}, and ALP with its
 # penalty scaled to the toy's lengths: beta * 40 tokens = 0.2, RLOO-LP alpha 0.2's largest cut
@@ -26,23 +25,14 @@ METHODS = (
 def build_seed(config: DemoConfig, root: Path) -> None:
     """The seed's problems, and its SFT base in ``root`` unless one is there already (the
     minutes of SFT are not repeated when the sweep file is written again)."""
-    from drpo_openrlhf.demo.sft import train_sft
-    from drpo_openrlhf.demo.toy_model import build_toy_model
-    from drpo_openrlhf.demo.toy_task import sample_traces, write_jsonl
+    from drpo_openrlhf.demo.toy_task import write_jsonl
 
     train_problems, eval_problems = make_problems(config)
     write_jsonl(train_problems, root / "train.jsonl")
     write_jsonl(eval_problems, root / "eval.jsonl")
     if (root / "base" / "config.json").is_file():
         return
-    init = build_toy_model(
-        root / "init",
-        hidden_size=config.hidden_size,
-        num_layers=config.num_layers,
-        seed=config.seed,
-    )
-    traces = sample_traces(random.Random(config.seed + 1), config.task, train_problems)
-    train_sft(init, root / "base", traces, config.sft, progress=False)
+    train_base(config, root / "init", root / "base", train_problems)
 
 
 def eval_flags(config: DemoConfig) -> list[str]:
