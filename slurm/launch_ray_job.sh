@@ -190,6 +190,9 @@ RAY_DASHBOARD_PORT=${RAY_DASHBOARD_PORT:-8265}
 RAY_WAIT_TIMEOUT=${RAY_WAIT_TIMEOUT:-600}
 RAY_POLL_INTERVAL=${RAY_POLL_INTERVAL:-5}
 TEARDOWN_TIMEOUT=${TEARDOWN_TIMEOUT:-30}
+# How many times `ray job submit` is tried when Ray's dashboard answers that the head has no
+# job agent yet (see submit_job below); RAY_POLL_INTERVAL apart.
+SUBMIT_ATTEMPTS=${SUBMIT_ATTEMPTS:-10}
 REQUEUE_ON_TIMELIMIT=${REQUEUE_ON_TIMELIMIT:-1}
 # How long the time-limit warning waits for the job to save its step and stop (0: no stop
 # request, teardown at once). 240 s fits the recipes' warning (--signal=B:USR1@300): what
@@ -201,7 +204,7 @@ LAUNCH_MODE=${LAUNCH_MODE:-$([[ -n ${SLURM_JOB_ID:-} ]] && echo slurm || echo lo
 is_positive() { [[ $1 =~ ^[1-9][0-9]*$ ]]; }
 for name in ROLLOUT_PROMPTS N_SAMPLES TRAIN_BATCH MICRO_TRAIN_BATCH MICRO_ROLLOUT_BATCH \
   MAX_NEW_TOKENS PROMPT_MAX_LEN RING_ATTN_SIZE VLLM_TP MAX_STEPS SAVE_STEPS EVAL_STEPS EVAL_N_SAMPLES \
-  RAY_WAIT_TIMEOUT TEARDOWN_TIMEOUT; do
+  RAY_WAIT_TIMEOUT TEARDOWN_TIMEOUT SUBMIT_ATTEMPTS; do
   is_positive "${!name}" || die "$name must be a positive integer, got '${!name}'"
 done
 [[ $STOP_GRACE_S =~ ^[0-9]+$ ]] ||
@@ -518,6 +521,8 @@ dashboard=http://$head_ip:$RAY_DASHBOARD_PORT
 submission_id=${RUN_NAME}-${SLURM_JOB_ID:-local}-${SLURM_RESTART_COUNT:-0}
 node_pids=()
 submit_pid=""
+submit_err=""   # the current attempt's copy of `ray job submit`'s stderr
+submit_err_fd="" # the pipe to its `tee`, open while an attempt runs
 job_running=0
 torn_down=0
 
@@ -525,6 +530,9 @@ torn_down=0
 teardown() {
   ((torn_down)) && return 0
   torn_down=1
+  # a signal during a submission: its tee ends once the submit client does
+  [[ -n $submit_err_fd ]] && exec {submit_err_fd}>&-
+  [[ -n $submit_err ]] && rm -f -- "$submit_err"
   if ((job_running)); then
     log "stopping Ray job $submission_id"
     timeout 15 ray job stop --no-wait --address "$dashboard" "$submission_id" ||
@@ -655,14 +663,56 @@ if ((NNODES > 1)); then
   wait_for_gpus "$world"
 fi
 
+# Ray's dashboard gives the head node's job agent a hard-coded 10 s to show up
+# (WAIT_AVAILABLE_AGENT_TIMEOUT in ray/dashboard/consts.py). A head whose GPUs have
+# registered may still lack its agent (a loaded machine, a requeued job's fresh cluster), and
+# the dashboard then answers HTTP 500 "No available agent to submit job, please try again
+# later." before it has passed the submission to any agent: no job was created. That answer,
+# and only that, is retried, with the same submission id (Ray refuses a second job with an id
+# it already has, so a retry can never start a second job). Any other failure, a failed job
+# included, ends the launch as before. Each attempt runs in the background like the job
+# itself, so SIGTERM/SIGUSR1 are handled at once during attempts and the pauses between them.
+NO_AGENT='Request failed with status code 500: No available agent to submit job'
+# Sets submit_rc: the exit status of the last attempt.
+submit_job() {
+  local attempt tee_pid
+  submit_err=$(mktemp "${TMPDIR:-/tmp}/drpo-submit.XXXXXX")
+  for ((attempt = 1; ; attempt++)); do
+    # the client's stderr still reaches ours, and a copy is kept to read its answer
+    exec {submit_err_fd}> >(exec tee -- "$submit_err" >&2)
+    tee_pid=$!
+    ray job submit --address "$dashboard" --submission-id "$submission_id" \
+      --runtime-env-json "$runtime_env" -- "$PYTHON" -m drpo_openrlhf.train "${train_args[@]}" \
+      2>&"$submit_err_fd" &
+    submit_pid=$!
+    job_running=1
+    submit_rc=0
+    wait "$submit_pid" || submit_rc=$?
+    job_running=0
+    exec {submit_err_fd}>&-
+    submit_err_fd=""
+    wait "$tee_pid" || true
+    if ((submit_rc == 0)) || ! grep -qF -- "$NO_AGENT" "$submit_err"; then
+      break
+    fi
+    if ((attempt == SUBMIT_ATTEMPTS)); then
+      log "Ray's dashboard found no job agent on the head in $attempt attempts" \
+        "(SUBMIT_ATTEMPTS); check the head's Ray logs (dashboard_agent.log)"
+      break
+    fi
+    log "attempt $attempt of $SUBMIT_ATTEMPTS: Ray's dashboard found no job agent on the head" \
+      "within its 10 s (\"No available agent to submit job\"; no job was created):" \
+      "submitting again in ${RAY_POLL_INTERVAL}s"
+    sleep "$RAY_POLL_INTERVAL" &
+    wait "$!"
+  done
+  rm -f -- "$submit_err"
+  submit_err=""
+}
+
 log "submitting $submission_id to $dashboard"
-ray job submit --address "$dashboard" --submission-id "$submission_id" \
-  --runtime-env-json "$runtime_env" -- "$PYTHON" -m drpo_openrlhf.train "${train_args[@]}" &
-submit_pid=$!
-job_running=1
-rc=0
-wait "$submit_pid" || rc=$?
-job_running=0
+submit_job
+rc=$submit_rc
 if ((rc == 0)); then
   log "job $submission_id finished"
 else

@@ -6,13 +6,15 @@ SLURM_GPUS_ON_NODE, SLURM_CPUS_ON_NODE, SLURM_RESTART_COUNT), `srun --overlap` p
 Ray head and workers on their nodes, scontrol, scancel, signals (`--signal=B:USR1`), requeue
 and the job's output file. Stand-in: `ray` (it records each call with the node it ran on,
 registers GPUs while `ray start --block` runs, and for FAKE_JOB=train writes a checkpoint
-then runs until stopped, or resumes when one exists). Each test waits for its job to end
-and checks that no Ray stand-in process and no job step is left.
+then runs until stopped, or resumes when one exists; FAKE_SUBMIT_NO_AGENT=N answers the first
+N submissions of each id as Ray does when its dashboard finds no job agent on the head). Each
+test waits for its job to end and checks that no Ray stand-in process and no job step is left.
 """
 
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import math
 import os
 import re
@@ -38,6 +40,12 @@ from drpo_openrlhf.eval.tensorboard_logs import read_scalars
 from drpo_openrlhf.integration.checkpoints import is_complete
 
 pytestmark = pytest.mark.slow
+
+_fake_spec = importlib.util.spec_from_file_location("_fake", FAKE_BIN / "_fake.py")
+_fake = importlib.util.module_from_spec(_fake_spec)
+_fake_spec.loader.exec_module(_fake)
+# what Ray's CLI prints when its dashboard finds no job agent on the head
+NO_AGENT_TRACEBACK = _fake.NO_AGENT_TRACEBACK
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +98,10 @@ class Jobs:
     def output(self, job_id: str) -> str:
         (out,) = self.tmp.glob(f"*-{job_id}.out")
         return out.read_text()
+
+    def has_logged(self, job_id: str, text: str) -> bool:
+        """Whether the job's output holds `text` (False while the job has not started)."""
+        return any(text in out.read_text() for out in self.tmp.glob(f"*-{job_id}.out"))
 
     def finish(self, job_id: str, done=None) -> tuple[dict, Run]:
         """Wait until the job has ended (or `done(info)`), then check nothing was left."""
@@ -201,11 +213,14 @@ def test_recipe_runs_under_slurm(jobs: Jobs, size: str, nodes: int, env: dict) -
     assert run.of("ray", "job", "stop") == []  # the job ended by itself
 
 
-def requeued_after_usr1(jobs: Jobs, cluster: SlurmCluster, **env: str) -> tuple[str, int, Run]:
+def requeued_after_usr1(
+    jobs: Jobs, cluster: SlurmCluster, no_agent: int = 0, **env: str
+) -> tuple[str, int, Run]:
     """The 8B recipe's job with the training stand-in (a checkpoint of step 20, then it
-    trains): USR1 (what `--signal=B:USR1@300` sends), the requeue, the rerun to its end.
+    trains): USR1 (what `--signal=B:USR1@300` sends), the requeue, the rerun to its end; each
+    run's first `no_agent` submissions answered as by a head without its job agent yet.
     Returns the first submission's id, the index of the rerun's submit call, the run."""
-    job_id = jobs.submit("8b", FAKE_JOB="train", **env)
+    job_id = jobs.submit("8b", FAKE_JOB="train", FAKE_SUBMIT_NO_AGENT=str(no_agent), **env)
     jobs.wait_for("job-running")
     ckpt = jobs.tmp / "out" / "drpo-8b_drpo_lam0.1" / "ckpt"
     # what the trainer measured (graceful_stop.StepTimes): update + sync + save + 30 s > 240 s
@@ -232,7 +247,9 @@ def requeued_after_usr1(jobs: Jobs, cluster: SlurmCluster, **env: str) -> tuple[
     # The rerun: same output file (--open-mode=append), SLURM_RESTART_COUNT=1, same run dir.
     first, second = (f"drpo-8b_drpo_lam0.1-{job_id}-{n}" for n in (0, 1))
     submits = run.of("ray", "job", "submit")
-    assert [c["argv"][5] for c in submits] == [first, second]
+    assert [c["argv"][5] for c in submits] == [first] * (no_agent + 1) + [second] * (no_agent + 1)
+    retries = [f"attempt {n} of 10: Ray's dashboard found no job agent" for n in range(1, 3)]
+    assert [run.output.count(line) for line in retries] == [2, 2][:no_agent] + [0, 0][no_agent:]
     assert len(run.of("ray", "start")) == 4  # the cluster was started again
     rerun = run.index("ray", "job", "submit", "--address", "http://127.0.0.1:8265",
                       "--submission-id", second)  # fmt: skip
@@ -245,8 +262,10 @@ def test_time_limit_warning_saves_the_step_then_requeues_and_resumes(
     jobs: Jobs, cluster: SlurmCluster
 ) -> None:
     """USR1 -> stop request -> the job saves step 21 and ends -> teardown -> requeue -> the
-    rerun resumes from step 21, not from the regular save of step 20."""
-    _, rerun, run = requeued_after_usr1(jobs, cluster)
+    rerun resumes from step 21, not from the regular save of step 20. Each run's first two
+    submissions get Ray's "No available agent to submit job" (the requeued job's fresh head
+    had no job agent yet in a CI run): the launcher submits again, and one job runs."""
+    _, rerun, run = requeued_after_usr1(jobs, cluster, no_agent=2)
     (stopped,) = run.of("ray", "<job stopped on request>")
     assert "the job ended (exit 0)" in run.output
     assert run.of("ray", "job", "stop") == [] and run.of("ray", "<job client stopped>") == []
@@ -297,11 +316,53 @@ def test_scancel_during_the_grace_tears_down_at_once(jobs: Jobs, cluster: SlurmC
 
 
 def test_failed_job_tears_down(jobs: Jobs) -> None:
-    job_id = jobs.submit("7b", FAKE_JOB="fail")
+    """The first submission gets "No available agent" (submitted again), the job then fails:
+    a failure that is not that answer is not retried."""
+    job_id = jobs.submit("7b", FAKE_JOB="fail", FAKE_SUBMIT_NO_AGENT="1")
     info, run = jobs.finish(job_id)
     assert (info["JobState"], info["ExitCode"]) == ("FAILED", "1:0")
     assert f"drpo-7b_drpo_lam0.1-{job_id}-0 failed (exit 1)" in run.output
+    assert len(run.of("ray", "job", "submit")) == 2
+    assert "attempt 1 of 10:" in run.output and "attempt 2 of" not in run.output
     assert_ray_stopped(run.calls[run.index("ray", "job", "submit") :], NODES)
+
+
+def test_submission_retries_are_bounded(jobs: Jobs) -> None:
+    """A head whose job agent never comes: SUBMIT_ATTEMPTS submissions, then the launch fails
+    and tears down."""
+    job_id = jobs.submit("1.5b", FAKE_SUBMIT_NO_AGENT="99", SUBMIT_ATTEMPTS="3")
+    info, run = jobs.finish(job_id)
+    assert (info["JobState"], info["ExitCode"]) == ("FAILED", "1:0"), run.output
+    assert len(run.of("ray", "job", "submit")) == 3
+    assert "found no job agent on the head in 3 attempts (SUBMIT_ATTEMPTS)" in run.output
+    assert "attempt 2 of 3:" in run.output and "attempt 3 of" not in run.output
+    assert run.output.count("No available agent to submit job, please try again later.") == 3
+    assert f"drpo-1.5b_drpo_lam0.1-{job_id}-0 failed (exit 1)" in run.output
+    assert run.of("ray", "job", "stop") == []
+    assert_ray_stopped(run.calls, tuple(c["node"] for c in run.of("ray", "start")))
+
+
+def test_usr1_while_the_submission_is_retried_requeues_at_once(
+    jobs: Jobs, cluster: SlurmCluster
+) -> None:
+    """USR1 while the launcher is still submitting again (no job agent on the head): no
+    further submission, teardown and requeue at once."""
+    job_id = jobs.submit("1.5b", FAKE_SUBMIT_NO_AGENT="99", SUBMIT_ATTEMPTS="1000")
+    cluster.wait_job(job_id, lambda i: jobs.has_logged(job_id, "attempt 2 of 1000:"))
+    cluster.run("scancel", "--batch", "--signal=USR1", job_id)
+    cluster.wait_job(job_id, lambda i: i["Restarts"] == "1", timeout=30)
+    cluster.run("scancel", job_id)  # the rerun, held back by Slurm, would retry as long
+    info, run = jobs.finish(job_id)
+    assert (info["JobState"], info["Restarts"]) == ("CANCELLED", "1"), run.output
+    signalled = run.output.index("received SIGUSR1")
+    assert signalled < run.output.index(f"requeueing job {job_id}")
+    retry = "of 1000: Ray's dashboard found no job agent"
+    assert retry not in run.output[signalled:]  # no further submission
+    # the signal came during a pause between submissions, or during one
+    tries = run.output.count(retry)
+    assert len(run.of("ray", "job", "submit")) in (tries, tries + 1)
+    assert_ray_stopped(run.calls, tuple(c["node"] for c in run.of("ray", "start")))
+    assert "did not stop within" not in run.output
 
 
 def test_scancel_stops_the_job_without_requeue(jobs: Jobs) -> None:
@@ -380,15 +441,26 @@ def test_real_pipeline_requeues_and_resumes(cluster: SlurmCluster, toy, tmp_path
     the trainer cancels the generation, saves the last finished step and the job ends within
     the bound -> teardown and requeue -> the rerun resumes from that checkpoint and finishes;
     no Ray, vLLM or Slurm process is left. On CPU the recipe runs non-colocated (COLOCATE=0:
-    one fake GPU trains, one generates) with sdpa."""
+    one fake GPU trains, one generates) with sdpa. Each run's first `ray job submit` gets the
+    answer of a dashboard that found no job agent on the head (what the rerun's got once in
+    CI; `ray` is Ray's own CLI behind tests/fakeslurm/ray-no-agent), and is submitted again."""
     # About 1 s each here. The only regular save is the last step's: the checkpoint the
     # rerun resumes from can only be the one the stop request made.
     steps = 30
     run_dir = tmp_path / "out" / "drpo-1.5b_drpo_lam0.1"
     ckpt = run_dir / "ckpt" / "_actor"
     reward, slow, inside = slow_reward(tmp_path)
+    bin_dir, state = tmp_path / "bin", tmp_path / "state"
+    bin_dir.mkdir()
+    state.mkdir()
+    (bin_dir / "ray").write_text(f'#!/bin/sh\nexec python3 -S {FAKE_BIN}/ray-no-agent "$@"\n')
+    (bin_dir / "ray").chmod(0o755)
+    venv_bin = Path(sys.executable).parent
     env = {
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{cluster.env()['PATH']}",
+        "PATH": os.pathsep.join([str(bin_dir), str(venv_bin), cluster.env()["PATH"]]),
+        "FAKE_REAL_RAY": str(venv_bin / "ray"),
+        "FAKE_STATE": str(state),
+        "FAKE_SUBMIT_NO_AGENT": "1",
         "PYTHON": sys.executable,
         "NET_IFACE": "lo",
         "MODEL": str(toy["base"]),
@@ -443,7 +515,12 @@ def test_real_pipeline_requeues_and_resumes(cluster: SlurmCluster, toy, tmp_path
     output = out.read_text()
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), output
     assert cluster.steps() == [] and cluster.job_processes() == {}
-    assert "forcing job termination" not in output and "Traceback" not in output
+    assert "forcing job termination" not in output
+    # the stand-in's answers were the only tracebacks; each was followed by a second submission
+    assert output.count(NO_AGENT_TRACEBACK.splitlines()[-1]) == 2
+    assert output.count("Traceback") == 2
+    assert output.count("attempt 1 of 10: Ray's dashboard found no job agent") == 2
+    assert "attempt 2 of 10" not in output
     # Ray's address file, which would make a plain ray.init() try to join the gone cluster
     tmp = Path(os.environ.get("RAY_TMPDIR", os.environ.get("TMPDIR", "/tmp")))
     address_file = tmp / "ray" / "ray_current_cluster"

@@ -1,4 +1,5 @@
-"""Stand-ins for srun, scontrol, scancel, ray, hostname, ip and nvidia-smi.
+"""Stand-ins for srun, scontrol, scancel, ray, hostname, ip and nvidia-smi (and ray-no-agent:
+the real `ray` that answers some submissions as a dashboard without a job agent does).
 
 Each executable in this directory calls one function here. Every call appends one JSON line
 (program, argv, node, a few environment variables) to $FAKE_LOG, so a test can assert the
@@ -14,7 +15,9 @@ resume when the command's --ckpt.path holds a checkpoint, else write one (global
 block; on the launcher's stop request it saves global_step21 and ends, as the trainer does,
 unless FAKE_STOP=ignore: a step that outlasts the launcher's grace),
 FAKE_RAY_START_FAIL / FAKE_RAY_NO_REGISTER (comma-separated nodes whose `ray start` fails /
-never registers), FAKE_GPUS (GPUs `nvidia-smi -L` lists).
+never registers), FAKE_GPUS (GPUs `nvidia-smi -L` lists), FAKE_SUBMIT_NO_AGENT=N (the first N
+`ray job submit` calls of each submission id fail as Ray's CLI does when the dashboard finds
+no job agent on the head: its traceback on stderr, exit 1, no job).
 """
 
 from __future__ import annotations
@@ -194,6 +197,8 @@ def ray(argv: list[str]) -> int:
         print(f"Resources\n{'-' * 20}\nTotal Usage:\n 0.0/64.0 CPU\n 0.0/{total}.0 GPU\n")
         return 0
     if argv[:2] == ["job", "submit"]:
+        if _no_agent(argv, state):
+            return 1
         mode = os.environ.get("FAKE_JOB", "succeed")
         print(f"fake job log line ({mode})", flush=True)
         if mode == "train":
@@ -219,6 +224,41 @@ def ray(argv: list[str]) -> int:
         return 0
     print(f"fake ray: unsupported {argv}", file=sys.stderr)
     return 2
+
+
+# What `ray job submit` (Ray 2.55) prints when the dashboard answers HTTP 500 "No available
+# agent to submit job, please try again later." (ray/dashboard/modules/job/job_head.py):
+# JobSubmissionClient._raise_error's RuntimeError, uncaught by the CLI.
+NO_AGENT_TRACEBACK = """Traceback (most recent call last):
+  File "ray/dashboard/modules/job/sdk.py", line 267, in submit_job
+    self._raise_error(r)
+  File "ray/dashboard/modules/dashboard_sdk.py", line 298, in _raise_error
+    raise RuntimeError(
+RuntimeError: Request failed with status code 500: No available agent to submit job, please \
+try again later..
+"""
+
+
+def _no_agent(argv: list[str], state: Path) -> bool:
+    """Answer this submission as Ray does without a job agent (FAKE_SUBMIT_NO_AGENT times per
+    submission id); counts the calls per id in $FAKE_STATE."""
+    submission_id = argv[argv.index("--submission-id") + 1]
+    calls = state / f"submits-{submission_id}"
+    n = int(calls.read_text()) if calls.exists() else 0
+    calls.write_text(str(n + 1))
+    if n >= int(os.environ.get("FAKE_SUBMIT_NO_AGENT", "0")):
+        return False
+    sys.stderr.write(NO_AGENT_TRACEBACK)
+    return True
+
+
+def ray_no_agent(argv: list[str]) -> int:
+    """Ray's own CLI ($FAKE_REAL_RAY), except that the first FAKE_SUBMIT_NO_AGENT `ray job
+    submit` calls of each submission id get the answer of a dashboard without a job agent."""
+    if argv[:2] == ["job", "submit"] and _no_agent(argv, Path(os.environ["FAKE_STATE"])):
+        return 1
+    real = os.environ["FAKE_REAL_RAY"]
+    os.execv(real, [real, *argv])
 
 
 def _train_until_stopped(ckpt: Path, state: Path) -> int:
@@ -281,6 +321,7 @@ def main(prog: str) -> None:
         "scontrol": scontrol,
         "scancel": scancel,
         "ray": ray,
+        "ray-no-agent": ray_no_agent,
         "hostname": hostname,
         "ip": ip,
         "nvidia-smi": nvidia_smi,
