@@ -7,12 +7,17 @@ docs/reliability.md is the table of what they measure.
 Faults inside the run's processes come from ``tests/fault_site`` (on ``PYTHONPATH`` of the
 module's Ray cluster, configured per test through the file ``DRPO_TEST_FAULT_FILE`` names);
 reward faults from reward files written here; kills and signals from the test itself.
+
+A pipeline start costs about 40 s and a step 2-3 s, so conditions that do not end a run share
+one with a fault that does, in earlier steps (each test says which and why one cannot mask
+the other); faults that each end a run keep a run of their own.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -184,11 +189,70 @@ def test_vllm_engine_killed_during_a_rollout(toy, ray_address, inject, tmp_path)
     print(f"TIME engine killed: ended {took:.1f} s after the kill")
 
 
-def test_actor_killed_in_an_optimizer_step(toy, ray_address, inject, tmp_path):
-    inject(fault="kill_actor", step=2)
-    code, output = run_to_end(toy, tmp_path, ray_address=ray_address, steps=3, fault="FAULT:")
-    assert code == 1 and "FAULT: actor killed" in output
-    assert_stopped_at_checkpoint(output, tmp_path, 1, "a Ray actor process died")
+GRADER = ("rewards/_grader_worker.py",)
+
+
+def grader_ready(pid: int) -> bool:
+    """A grader worker caps its address space just before it reports ready (a stopped one
+    still starting would hold up its pool slot for the 120 s start-up limit instead)."""
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+            if line.startswith("Max address space"):
+                return line.split()[3] != "unlimited"
+    return False
+
+
+def uncached_math_reward(folder: Path) -> Path:
+    """The math reward with its verdict cache off: every answer no fast path decides goes to a
+    grader process (the toy's few wrong answers repeat, and once cached would never reach the
+    pool again, so a step might send it nothing)."""
+    file = folder / "uncached_math_reward.py"
+    file.write_text(
+        "from drpo_openrlhf.rewards import grading\n"
+        "from drpo_openrlhf.rewards.math_reward import reward_func as math_reward\n\n"
+        "grading._verdicts = grading._Verdicts(0)\n\n\n"
+        "def reward_func(queries, prompts, labels, **kwargs):\n"
+        "    return math_reward(queries, prompts, labels, **kwargs)\n"
+    )
+    return file
+
+
+def test_grader_workers_replaced_then_actor_killed_in_an_optimizer_step(
+    toy, ray_address, inject, tmp_path
+):
+    """Two faults in one run. Once step 1 is saved, one of the math reward's grader processes
+    is killed and another stopped (a hang past its hard deadline); the test waits until the
+    pool has killed the stopped one and runs fresh ones in both places, while the run grades
+    on (a recovery). Then the actor process kills itself in its optimizer step 4, which stops
+    the run at checkpoint 3. The actor's death cannot hide a failed recovery: the test waits
+    for the recovery first, and a reward call stuck on a lost worker would stop the run with
+    a RewardError (the call's 20 s limit) before step 4."""
+    inject(fault="kill_actor", step=4)
+    reward = uncached_math_reward(tmp_path)
+    run = Run(toy, tmp_path, "--reward.remote_url", str(reward), ray_address=ray_address, steps=5)
+    run.wait_until(lambda: latest(tmp_path) == "global_step1")
+    workers = run_pids(GRADER)
+    assert len(workers) >= 2, workers
+    run.wait_until(lambda: all(grader_ready(pid) for pid in workers[:2]))
+    killed, stopped = workers[:2]
+    os.kill(killed, signal.SIGKILL)
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        # the stopped one is killed by the pool at its deadline, both are started afresh
+        run.wait_until(
+            lambda: (
+                stopped not in (pids := run_pids(GRADER))
+                and len(set(pids) - {killed, stopped}) >= len(workers)
+            )
+        )
+    finally:
+        if stopped in run_pids(GRADER):
+            os.kill(stopped, signal.SIGKILL)
+    run.wait_until(lambda: "FAULT:" in run.output)
+    code, took = run.finish(timeout=600)
+    print(f"TIME actor killed: ended {took:.1f} s after 'FAULT:'")
+    assert code == 1 and "FAULT: actor killed" in run.output
+    assert_stopped_at_checkpoint(run.output, tmp_path, 3, "a Ray actor process died")
 
 
 def test_an_engine_that_fails_to_start_stops_the_run(toy, ray_address, inject, tmp_path):
@@ -224,66 +288,83 @@ def test_non_finite_update_stops_before_it_is_used(toy, ray_address, inject, tmp
 
 # --- rewards ----------------------------------------------------------------------------
 
+HANG_TIMEOUT_S = 3  # the reward call's limit in the faulty-reward run (the module's: 20 s)
+# one response each, in the third rollout: the statement, and the cause its warning names
 REWARD_FAULTS = {
-    "raises": ("raise ValueError('injected reward failure')", "ValueError: injected reward"),
-    "wrong_count": ("return {'rewards': torch.zeros(2), 'scores': torch.zeros(2)}", "2 values"),
-    "nan": ("return {'rewards': torch.tensor([nan]), 'scores': torch.tensor([nan])}", "finite"),
-    "hangs": ("time.sleep(3600)", f"did not return within {REWARD_TIMEOUT_S} s"),
+    "raises": (
+        "raise ValueError('injected reward failure')",
+        "ValueError: injected reward failure",
+    ),
+    "wrong_count": (
+        "return {'rewards': torch.zeros(2), 'scores': torch.zeros(2)}",
+        "'rewards' holds 2 values for 1 queries",
+    ),
+    "nan": (
+        "return {'rewards': torch.tensor([nan]), 'scores': torch.tensor([nan])}",
+        "'rewards' is not finite: [nan]",
+    ),
+    "hangs": ("time.sleep(3600)", f"did not return within {HANG_TIMEOUT_S:g} s"),
 }
+PER_ROLLOUT = 16  # --rollout.batch_size 4 x --rollout.n_samples_per_prompt 4
 
 
-def faulty_reward_file(folder: Path, statement: str) -> Path:
-    """The math reward, except for responses whose label is 3, 4 or 5 (in every rollout of
-    the toy): ``statement``."""
+def correct_then_faulty_reward_file(folder: Path, correct_rollouts: int) -> Path:
+    """A reward function that says every response is correct, except that in the rollout
+    after the first ``correct_rollouts`` four responses meet ``REWARD_FAULTS``, one each.
+    OpenRLHF calls it once per response, all in the one vLLM engine: the calls are counted.
+    It shortens the guard's time limit, which the engine reads right after loading it."""
+    first = correct_rollouts * PER_ROLLOUT + 1
+    faults = "".join(
+        f"    if call == {first + i}:\n        {statement}\n"
+        for i, (statement, _) in enumerate(REWARD_FAULTS.values())
+    )
     file = folder / "reward.py"
     file.write_text(
-        "import time\nfrom math import nan\n\nimport torch\n\n"
-        "from drpo_openrlhf.rewards.math_reward import reward_func as math_reward\n\n\n"
+        "import itertools\nimport os\nimport time\nfrom math import nan\n\nimport torch\n\n"
+        f"os.environ['DRPO_REWARD_CALL_TIMEOUT_S'] = '{HANG_TIMEOUT_S}'\n"
+        "calls = itertools.count(1)\n\n\n"
         "def reward_func(queries, prompts, labels, **kwargs):\n"
-        "    if str(labels[0]) in ('3', '4', '5'):\n"
-        f"        {statement}\n"
-        "    return math_reward(queries, prompts, labels, **kwargs)\n"
+        "    call = next(calls)\n"
+        f"{faults}"
+        "    one = torch.ones(len(queries))\n"
+        "    return {'rewards': one, 'scores': one.clone()}\n"
     )
     return file
 
 
-@pytest.mark.parametrize("fault", list(REWARD_FAULTS))
-def test_a_faulty_reward_function_stops_the_run(toy, ray_address, inject, tmp_path, fault):
-    statement, cause = REWARD_FAULTS[fault]
-    reward = faulty_reward_file(tmp_path, statement)
+def test_every_response_correct_trains_on_then_faulty_rewards_stop_the_run(
+    toy, ray_address, inject, tmp_path
+):
+    """Steps 1-2: every response correct (no negative term): the run trains on, with a finite
+    objective and KL, and saves. Step 3: the reward function raises on one response, returns
+    two values for another, NaN for a third and hangs on a fourth; the engine names each
+    cause, and the run stops at the end of that rollout with a RewardError counting the four,
+    before training on it. The faults come after the all-correct steps are saved, and they
+    are independent of each other: each call is guarded on its own, the driver checks the
+    rollout once it is whole."""
+    reward = correct_then_faulty_reward_file(tmp_path, correct_rollouts=2)
     code, output = run_to_end(
         toy,
         tmp_path,
         *("--reward.remote_url", str(reward)),
         ray_address=ray_address,
-        steps=2,
+        steps=4,
         fault="reward_func failed",
     )
     assert code == 1
-    assert "reward_func failed for the prompt" in output and cause in output
-    line = stop_line(output)
-    assert "RewardError: the reward function gave no finite reward" in line
-    # the faulty rollout (step 1 or 2, as the prompts come) is never trained on: the last
-    # checkpoint the line names is the last step trained
-    logged = read_scalars(tmp_path / "tb").get("train/drpo/objective", {})
-    trained = max(logged, default=0)
-    assert trained < 2
-    named = f"Last complete checkpoint: {tmp_path / 'ckpt' / '_actor' / 'global_step1'};"
-    assert (named if trained else "No complete checkpoint") in line, line
-
-
-def test_grader_workers_killed_or_stopped_are_replaced(toy, ray_address, inject, tmp_path):
-    """The math reward's grader processes: one killed, one stopped (a hang past its deadline)
-    while the run grades; the pool replaces them and the run trains to its end."""
-    run = Run(toy, tmp_path, ray_address=ray_address, steps=3)
-    run.wait_until(lambda: len(run_pids(("rewards/_grader_worker.py",))) >= 2)
-    first, second = run_pids(("rewards/_grader_worker.py",))[:2]
-    os.kill(first, signal.SIGKILL)
-    os.kill(second, signal.SIGSTOP)
-    code, _ = run.finish(timeout=600)
-    assert code == 0, run.output[-3000:]
-    assert sorted(read_scalars(tmp_path / "tb")["train/drpo/objective"]) == [1, 2, 3]
-    assert latest(tmp_path) == "global_step3"
+    cause = (
+        f"RewardError: the reward function gave no finite reward or score for "
+        f"{len(REWARD_FAULTS)} of the rollout's {PER_ROLLOUT} responses"
+    )
+    # the faulty rollout is never trained on: the named checkpoint is the last step trained
+    assert_stopped_at_checkpoint(output, tmp_path, 2, cause)
+    assert "reward_func failed for the prompt" in output
+    for fault, (_, named) in REWARD_FAULTS.items():
+        assert named in output, fault
+    logged = read_scalars(tmp_path / "tb")
+    assert logged["train/rollout/reward_mean"] == {1: 1.0, 2: 1.0}
+    for tag in ("train/drpo/objective", "train/drpo/kl"):
+        assert all(math.isfinite(v) for v in logged[tag].values()), tag
 
 
 # --- checkpoints ------------------------------------------------------------------------
@@ -301,72 +382,68 @@ def kill_all(run: Run, driver_signal: int) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-@pytest.mark.parametrize(
-    "driver_signal", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "preemption"]
-)
-def test_job_killed_while_a_checkpoint_is_written_resumes_from_the_last_complete(
-    toy, ray_address, inject, tmp_path, driver_signal
+def test_job_killed_then_preempted_while_a_checkpoint_is_written_resumes_from_the_last_complete(
+    toy, ray_address, inject, tmp_path
 ):
-    """Two actor ranks; rank 1 is still writing step 2's optimizer shard when rank 0 has
-    already written ``latest = global_step2`` (DeepSpeed's order): the job dies then. The
-    resume must not load step 2; it resumes from step 1, says so, and trains to the end."""
-    marker = tmp_path / "saving"
-    inject(fault="slow_save", step=2, rank=1, marker=str(marker))
+    """Two actor ranks; rank 1 is still writing a step's optimizer shard when rank 0 has
+    already written ``latest`` for it (DeepSpeed's order): the job dies then. The first run
+    dies that way at step 2 by SIGKILL (a node loss); its resume must not load step 2: it
+    resumes from step 1, says so, and trains step 2, and dies the same way at step 3 by a
+    preemption (SIGTERM, then SIGKILL); the second resume starts from step 2, says so, and
+    trains to the end."""
     two_ranks = ("--actor.num_gpus_per_node", "2", "--train.micro_batch_size", "4")
-    run = Run(toy, tmp_path, *two_ranks, ray_address=ray_address, steps=3)
-    run.wait_until(lambda: marker.exists() and latest(tmp_path) == "global_step2")
-    kill_all(run, driver_signal)
-    _, took = run.finish(timeout=60)
-    print(f"TIME {tmp_path.name}: every process gone {took:.1f} s after the kill")
-    assert not (tmp_path / "ckpt" / "_actor" / "global_step2" / "drpo_complete.json").exists()
+    ckpt = tmp_path / "ckpt" / "_actor"
+    resume: tuple[str, ...] = ()
+    for step, driver_signal in ((2, signal.SIGKILL), (3, signal.SIGTERM)):
+        marker = tmp_path / f"saving{step}"
+        # rank 1's second save in each run: step 2 in the first, step 3 in the resumed one
+        inject(fault="slow_save", step=2, rank=1, marker=str(marker))
+        run = Run(toy, tmp_path, *two_ranks, *resume, ray_address=ray_address, steps=3)
+        run.wait_until(
+            lambda marker=marker, tag=f"global_step{step}": (
+                marker.exists() and latest(tmp_path) == tag
+            )
+        )
+        kill_all(run, driver_signal)
+        _, took = run.finish(timeout=60)
+        print(f"TIME {driver_signal.name}: every process gone {took:.1f} s after the kill")
+        assert not (ckpt / f"global_step{step}" / "drpo_complete.json").exists()
+        if resume:
+            said = f"resuming from {ckpt / 'global_step1'}; set aside incomplete global_step2"
+            assert f"drpo_openrlhf: {said}" in run.output, run.output[-3000:]
+            assert (ckpt / "global_step2" / "drpo_complete.json").is_file()
+        resume = ("--ckpt.load_enable",)
 
     inject()
-    code, output = run_to_end(
-        toy, tmp_path, *two_ranks, "--ckpt.load_enable", ray_address=ray_address, steps=3
-    )
+    code, output = run_to_end(toy, tmp_path, *two_ranks, *resume, ray_address=ray_address, steps=3)
     assert code == 0, output[-3000:]
-    step1 = tmp_path / "ckpt" / "_actor" / "global_step1"
-    assert f"drpo_openrlhf: resuming from {step1}; set aside incomplete global_step2" in output
+    said = f"resuming from {ckpt / 'global_step2'}; set aside incomplete global_step3"
+    assert f"drpo_openrlhf: {said}" in output, output[-3000:]
     assert latest(tmp_path) == "global_step3"
     logged = read_scalars(tmp_path / "tb")
     assert {2, 3} <= set(logged["train/drpo/objective"])
 
 
-def test_disk_full_at_save_stops_with_the_last_checkpoint(toy, ray_address, inject, tmp_path):
-    inject(fault="enospc_save", step=2)
-    code, output = run_to_end(toy, tmp_path, ray_address=ray_address, steps=3, fault="FAULT:")
-    assert code == 1
-    assert_stopped_at_checkpoint(output, tmp_path, 1, "No space left on device", trained=2)
-    assert latest(tmp_path) == "global_step1"
-
-
-# --- degenerate rollouts ------------------------------------------------------------------
-
-
-def test_every_response_truncated_and_wrong_trains_on(toy, ray_address, inject, tmp_path):
+def test_every_response_truncated_and_wrong_trains_on_then_disk_full_at_save_stops(
+    toy, ray_address, inject, tmp_path
+):
     """One-token responses: every one truncated at the limit, none correct, so DRPO's loss
-    has no valid group (only the trust region acts); the run goes on and says so."""
+    has no valid group (only the trust region acts); the run goes on, says so and saves
+    steps 1 and 2. Step 3's save then fails with a full disk: the run stops naming step 2's
+    checkpoint, with step 3's metrics logged. The fault is in DeepSpeed's save, whatever the
+    responses are, and comes after the two steps it follows are saved."""
+    inject(fault="enospc_save", step=3)
     code, output = run_to_end(
-        toy, tmp_path, "--rollout.max_new_tokens", "1", ray_address=ray_address, steps=2
+        toy,
+        tmp_path,
+        *("--rollout.max_new_tokens", "1"),
+        ray_address=ray_address,
+        steps=4,
+        fault="FAULT:",
     )
-    assert code == 0, output[-3000:]
-    logged = read_scalars(tmp_path / "tb")
-    assert set(logged["train/drpo/valid_prompt_fraction"].values()) == {0.0}
-    assert set(logged["train/drpo/truncated"].values()) == {1.0}
+    assert code == 1
+    assert_stopped_at_checkpoint(output, tmp_path, 2, "No space left on device", trained=3)
     assert latest(tmp_path) == "global_step2"
-
-
-def test_every_response_correct_trains_on(toy, ray_address, inject, tmp_path):
-    reward = tmp_path / "always_right.py"
-    reward.write_text(
-        "import torch\n\n\ndef reward_func(queries, prompts, labels, **kwargs):\n"
-        "    return {'rewards': torch.ones(len(queries)), 'scores': torch.ones(len(queries))}\n"
-    )
-    code, output = run_to_end(
-        toy, tmp_path, "--reward.remote_url", str(reward), ray_address=ray_address, steps=2
-    )
-    assert code == 0, output[-3000:]
     logged = read_scalars(tmp_path / "tb")
-    for tag in ("train/drpo/objective", "train/drpo/kl"):
-        assert all(v == v for v in logged[tag].values()), tag  # finite, not NaN
-    assert latest(tmp_path) == "global_step2"
+    assert logged["train/drpo/valid_prompt_fraction"] == {1: 0.0, 2: 0.0, 3: 0.0}
+    assert logged["train/drpo/truncated"] == {1: 1.0, 2: 1.0, 3: 1.0}
