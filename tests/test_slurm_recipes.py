@@ -406,17 +406,23 @@ def test_loopback_host_name_asks_for_net_iface(jobs: Jobs) -> None:
     assert run.calls == []
 
 
-def slow_reward(tmp_path: Path) -> tuple[Path, Path, Path]:
-    """A reward file: the math reward, except that while the file ``slow`` exists each call
-    first creates ``inside`` and waits (at most ``HELD_S``) for ``slow`` to go: a generation
-    that lasts as long as the test wants, as a GPU rollout of 8k-token responses does."""
+def slow_reward(tmp_path: Path, step_times: Path, after_step: int) -> tuple[Path, Path, Path]:
+    """A reward file: the math reward, except that while the file ``slow`` exists, once the
+    trainer has recorded step ``after_step`` in ``step_times`` (drpo_step_times.json, written
+    at the end of each step), each call first creates ``inside`` and waits (at most
+    ``HELD_S``) for ``slow`` to go: a generation that lasts as long as the test wants, as a GPU
+    rollout of 8k-token responses does, and always that of step ``after_step + 1``."""
     slow, inside, reward = tmp_path / "slow", tmp_path / "inside", tmp_path / "slow_reward.py"
     reward.write_text(
+        "import json\n"
         "import time\n"
         "from pathlib import Path\n\n"
         "from drpo_openrlhf.rewards.math_reward import reward_func as math_reward\n\n\n"
+        "def reached():\n"
+        f"    times = Path({str(step_times)!r})\n"
+        f"    return times.exists() and json.loads(times.read_text())['step'] >= {after_step}\n\n\n"
         "def reward_func(queries, prompts, labels, **kwargs):\n"
-        f"    if Path({str(slow)!r}).exists():\n"
+        f"    if Path({str(slow)!r}).exists() and reached():\n"
         f"        Path({str(inside)!r}).touch()\n"
         f"        held_until = time.monotonic() + {HELD_S}\n"
         f"        while Path({str(slow)!r}).exists() and time.monotonic() < held_until:\n"
@@ -444,12 +450,15 @@ def test_real_pipeline_requeues_and_resumes(cluster: SlurmCluster, toy, tmp_path
     one fake GPU trains, one generates) with sdpa. Each run's first `ray job submit` gets the
     answer of a dashboard that found no job agent on the head (what the rerun's got once in
     CI; `ray` is Ray's own CLI behind tests/fakeslurm/ray-no-agent), and is submitted again."""
-    # About 1 s each here. The only regular save is the last step's: the checkpoint the
-    # rerun resumes from can only be the one the stop request made.
-    steps = 30
+    # Under 1 s each here. The only regular save is the last step's: the checkpoint the
+    # rerun resumes from can only be the one the stop request made. The first run is held in
+    # step 3's generation and stops with step 2, so the rerun trains 3-6 (30 steps before,
+    # when the hold came once the test saw step 2 in the log: the run was at step 3-5 then).
+    steps = 6
     run_dir = tmp_path / "out" / "drpo-1.5b_drpo_lam0.1"
     ckpt = run_dir / "ckpt" / "_actor"
-    reward, slow, inside = slow_reward(tmp_path)
+    reward, slow, inside = slow_reward(tmp_path, run_dir / "ckpt" / "drpo_step_times.json", 2)
+    slow.touch()  # the first run's step 3 generation is held
     bin_dir, state = tmp_path / "bin", tmp_path / "state"
     bin_dir.mkdir()
     state.mkdir()
@@ -488,15 +497,12 @@ def test_real_pipeline_requeues_and_resumes(cluster: SlurmCluster, toy, tmp_path
     )  # fmt: skip
     job_id = submitted.stdout.strip().split(";")[0]
     try:
-        # once the run trains (its first steps are logged), hold a generation, then USR1
+        # once the run has trained 2 steps its next generation is held (by the reward, not
+        # by this test, whose sight of the log lags the trainer by steps): then USR1
         deadline = time.monotonic() + 420
-        while "Global step 2:" not in (out.read_text() if out.exists() else ""):
-            assert cluster.job(job_id)["JobState"] in ("PENDING", "RUNNING"), out.read_text()
-            assert time.monotonic() < deadline, "no training step within 7 minutes"
-            time.sleep(0.2)
-        slow.touch()
         while not inside.exists():
-            assert time.monotonic() < deadline, "no generation reached the reward"
+            assert cluster.job(job_id)["JobState"] in ("PENDING", "RUNNING"), out.read_text()
+            assert time.monotonic() < deadline, "no held generation within 7 minutes"
             time.sleep(0.2)
         cluster.run("scancel", "--batch", "--signal=USR1", job_id)
         cluster.wait_job(job_id, lambda i: i["Restarts"] == "1", timeout=HELD_S)
