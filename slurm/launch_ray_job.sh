@@ -175,6 +175,10 @@ EVAL_STEPS=${EVAL_STEPS:-20}
 EVAL_N_SAMPLES=${EVAL_N_SAMPLES:-4}
 CKPT_MAX_NUM=${CKPT_MAX_NUM:-3}
 SAVE_HF=${SAVE_HF:-0}
+# OpenRLHF also keeps a full checkpoint of the best evaluation so far (best_global_stepN, one
+# more ZeRO checkpoint on disk and a save at every new best, inside the step the time-limit
+# grace must fit); off unless BEST_CKPT=1 (docs/launch.md)
+BEST_CKPT=${BEST_CKPT:-0}
 SEED=${SEED:-42}
 DATA_DIR=${DATA_DIR:-$repo_dir/data}
 TRAIN_DATA=${TRAIN_DATA:-$DATA_DIR/deepscaler.jsonl}
@@ -207,6 +211,7 @@ for name in ROLLOUT_PROMPTS N_SAMPLES TRAIN_BATCH MICRO_TRAIN_BATCH MICRO_ROLLOU
   RAY_WAIT_TIMEOUT TEARDOWN_TIMEOUT SUBMIT_ATTEMPTS; do
   is_positive "${!name}" || die "$name must be a positive integer, got '${!name}'"
 done
+[[ $BEST_CKPT == [01] ]] || die "BEST_CKPT must be 0 or 1, got '$BEST_CKPT'"
 [[ $STOP_GRACE_S =~ ^[0-9]+$ ]] ||
   die "STOP_GRACE_S must be a whole number of seconds, got '$STOP_GRACE_S'"
 
@@ -425,6 +430,7 @@ fi
 if [[ -n $EVAL_DATA ]]; then
   train_args+=(--eval.dataset "$EVAL_DATA" --eval.steps "$EVAL_STEPS"
     --eval.temperature "$TEMPERATURE" --eval.n_samples_per_prompt "$EVAL_N_SAMPLES")
+  [[ $BEST_CKPT == 1 ]] || train_args+=(--ckpt.best_metric_key none)
 fi
 # wandb logs when a key is in the environment (or WANDB=1 with a ~/.netrc login). OpenRLHF
 # turns it on for any non-empty --logger.wandb.key and wandb then reads WANDB_API_KEY itself,

@@ -220,6 +220,21 @@ def test_env_overrides_and_extra_flags(harness: Harness) -> None:
 DRPO_TAIL = ["--drpo.tau", "10", "--drpo.delta", "1e-4", "--drpo.beta0", "1e3"]
 
 
+@pytest.mark.parametrize(("env", "best"), [({}, "none"), ({"BEST_CKPT": "1"}, "")])
+def test_best_evaluation_checkpoint_only_on_request(harness: Harness, env, best) -> None:
+    """OpenRLHF's extra best-evaluation checkpoint is off unless BEST_CKPT=1 asks for it."""
+    run = harness.run(recipe("1.5b"), **env)
+    assert run.returncode == 0, run.output
+    args = run.args()
+    assert args["eval.dataset"] and args["ckpt.best_metric_key"] == best
+    assert_flags_known(run)
+
+
+def test_best_checkpoint_setting_is_checked(harness: Harness) -> None:
+    run = harness.run(recipe("1.5b"), BEST_CKPT="yes")
+    assert run.returncode != 0 and "BEST_CKPT must be 0 or 1, got 'yes'" in run.output
+
+
 @pytest.mark.parametrize(
     ("env", "estimator", "tail", "run_name"),
     [
