@@ -3,7 +3,12 @@ single-process one-piece reference it must match. Used by the exactness tests.
 
 ``DRPO_TEST_DEVICE=cuda`` runs the DeepSpeed ranks on GPUs instead (NCCL, one GPU per rank,
 fp32 without TF32); worlds larger than the GPU count are skipped. The reference stays on the
-CPU, so the comparison also covers CUDA's kernels against the CPU's."""
+CPU, so the comparison also covers CUDA's kernels against the CPU's.
+
+The exactness modules share their ranks: each defines ``CASES`` (by world size) and a
+``drpo_results`` fixture returning ``shared_results``, which runs the cases of every collected
+module using that fixture in one spawn per world size (a rank's start-up costs 5-20 s), with
+per-case state reset as a fresh process would have it."""
 
 from __future__ import annotations
 
@@ -252,23 +257,31 @@ def run_rank(rank: int, world: int, port: int, cases: list[Case], out_dir: str) 
     the ``case.ring`` consecutive ranks of a ring group receive the same share, as OpenRLHF's
     driver deals it."""
     actor_setup.set_rank_env(rank, world, port, DEVICE)
+    if DEVICE == "cpu":
+        # up to four ranks share the machine's cores: one intra-op thread each (torch's default
+        # of one per core in every rank oversubscribed two cores, and gloo's waits with them:
+        # updates took about 6x as long)
+        torch.set_num_threads(1)
     if DEVICE == "cuda":
         torch.cuda.set_device(rank)
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     import transformers.modeling_flash_attention_utils as hf_flash
+    from openrlhf.models import ring_attn_utils
 
     from drpo_openrlhf.integration import chunked_actor
     from drpo_openrlhf.integration.actor_trainer import DRPOActorTrainer
 
     # ring_flash_attn wraps this function when OpenRLHF's strategy sets up a ring group, and
     # refuses to wrap its own wrapper: give every case's strategy the original, as a fresh
-    # process (one strategy per process in a real run) would have
+    # process (one strategy per process in a real run) would have; likewise no ring group
+    # (OpenRLHF's strategy sets it only under ring attention, and its trainer reads it back)
     unwrapped = hf_flash._flash_attention_forward
     data = rollout()
     old = old_log_probs(data)
     for case in cases:
         hf_flash._flash_attention_forward = unwrapped
+        ring_attn_utils.set_ring_attn_group(None)
         shared = case.ring * case.tp  # consecutive ranks holding the same responses
         local, info = rank_share(case, rank // shared, world // shared)
         strategy = actor_setup.setup_strategy(openrlhf_args(case, world), "fp32", DEVICE)
@@ -308,7 +321,9 @@ def run_cases(cases: dict[int, list[Case]], out_dirs, prefix: str) -> dict:
     from actor_setup import free_port
 
     results = {}
-    for world, world_cases in cases.items():
+    for world, world_cases in sorted(cases.items()):
+        if not world_cases:
+            continue
         if DEVICE == "cuda" and world > torch.cuda.device_count():
             continue  # one GPU per rank: the tests of this world skip (``result``)
         out = out_dirs.mktemp(f"{prefix}{world}")
@@ -317,6 +332,38 @@ def run_cases(cases: dict[int, list[Case]], out_dirs, prefix: str) -> dict:
         for case in world_cases:
             results[world, case] = torch.load(out / f"{case.name}.pt")
     return results
+
+
+FIXTURE = "drpo_results"  # the exactness modules' fixture, each returning shared_results
+_shared: dict[tuple[int, Case], dict] = {}  # this test process's results, by (world, case)
+
+
+def selected_cases(request) -> dict[int, list[Case]]:
+    """The ``CASES`` of the requesting module and of every other collected module with a test
+    using ``FIXTURE``, by world; plain cases first in each world, then ring attention's, then
+    tensor parallelism's (whatever process-wide state AutoTP leaves behind then meets only
+    other tensor-parallel cases, as in a module of its own)."""
+    modules = [request.module]
+    for item in request.session.items:
+        module = getattr(item, "module", None)
+        if module is not None and module not in modules and FIXTURE in item.fixturenames:
+            modules.append(module)
+    cases: dict[int, list[Case]] = {}
+    for module in modules:
+        for world, world_cases in module.CASES.items():
+            listed = cases.setdefault(world, [])
+            listed += [c for c in world_cases if c not in listed]
+    return {w: sorted(c, key=lambda c: (c.tp > 1, c.ring > 1)) for w, c in cases.items()}
+
+
+def shared_results(request, out_dirs) -> dict:
+    """Results by ``(world, case)`` for the requesting module's ``CASES``: on the first
+    request, every selected module's cases run together, one spawn per world size (the ranks
+    run every case with its own strategy and engine); later requests reuse them."""
+    cases = selected_cases(request)
+    missing = {w: [c for c in cs if (w, c) not in _shared] for w, cs in cases.items()}
+    _shared.update(run_cases(missing, out_dirs, "world"))
+    return _shared
 
 
 def result(results: dict, world: int, case: Case) -> dict:

@@ -18,7 +18,7 @@ from drpo_actor_harness import (
     one_pass_expected,
     result,
     rollout,
-    run_cases,
+    shared_results,
     whole_group_microsteps,
 )
 
@@ -61,16 +61,17 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def distributed_results(tmp_path_factory):
-    return run_cases(CASES, tmp_path_factory, "world")
+def drpo_results(request, tmp_path_factory):
+    """Shared with the other exactness modules: one spawn per world size for all of them."""
+    return shared_results(request, tmp_path_factory)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("world", "case"), [(w, c) for w, cases in CASES.items() for c in cases], ids=str
 )
-def test_drpo_update_matches_one_piece_reference(distributed_results, world, case):
-    assert_matches_reference(result(distributed_results, world, case), case, world)
+def test_drpo_update_matches_one_piece_reference(drpo_results, world, case):
+    assert_matches_reference(result(drpo_results, world, case), case, world)
 
 
 @pytest.mark.slow
@@ -79,11 +80,11 @@ def test_drpo_update_matches_one_piece_reference(distributed_results, world, cas
     [(w, c) for w, cases in CASES.items() for c in cases if not c.dynamic and not c.short],
     ids=str,
 )
-def test_forwards_per_optimizer_step(distributed_results, world, case):
+def test_forwards_per_optimizer_step(drpo_results, world, case):
     """Forwards per rank: one per micro-batch when global micro-steps hold whole groups, plus
     the penalty pass's on the steps that needed it (mini-batch KL); otherwise the scores pass
     adds as many again on every optimizer step but the rollout's first."""
-    got = result(distributed_results, world, case)
+    got = result(drpo_results, world, case)
     steps = PROMPTS * N // TRAIN_BATCH
     micro_steps = TRAIN_BATCH // world // case.micro_batch_size
     status = got["status"]
@@ -100,19 +101,19 @@ def test_forwards_per_optimizer_step(distributed_results, world, case):
 
 
 @pytest.mark.slow
-def test_penalty_pass_runs_only_when_the_minibatch_kl_exceeds_delta(distributed_results):
+def test_penalty_pass_runs_only_when_the_minibatch_kl_exceeds_delta(drpo_results):
     """The first step of a rollout has KL 0 (no second pass); later ones here exceed delta."""
     for world, case in [(1, Case(2, 4)), (2, Case(3, 2)), (4, Case(3, 2))]:
-        status = result(distributed_results, world, case)["status"]
+        status = result(drpo_results, world, case)["status"]
         steps = PROMPTS * N // TRAIN_BATCH
         assert 0 < status["drpo/penalty_pass"] <= (steps - 1) / steps
 
 
 @pytest.mark.slow
-def test_dynamic_one_pass_runs_one_forward_per_global_micro_step(distributed_results):
+def test_dynamic_one_pass_runs_one_forward_per_global_micro_step(drpo_results):
     """No scores pass: every rank forwards once per packed micro-step of every step."""
     case = Case(2, 1, packing=True, dynamic=True, kl_estimate="microstep")
-    got = result(distributed_results, 2, case)
+    got = result(drpo_results, 2, case)
     data = rollout()
     lengths = data["attention_mask"].sum(-1)
     groups_per_step = TRAIN_BATCH // N

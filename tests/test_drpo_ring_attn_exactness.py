@@ -11,7 +11,7 @@ strategy); only flash-attn's kernels are the plain-torch stand-in of ``tests/cpu
 (tested in ``test_ring_attn_stand_in.py``)."""
 
 import pytest
-from drpo_actor_harness import Case, assert_matches_reference, result, run_cases
+from drpo_actor_harness import Case, assert_matches_reference, result, shared_results
 from stand_ins import flash_attn_is_stand_in
 
 if not flash_attn_is_stand_in():  # a GPU environment: its kernels need CUDA tensors
@@ -34,21 +34,22 @@ PARAMS = [(w, c) for w, cases in CASES.items() for c in cases]
 
 
 @pytest.fixture(scope="module")
-def ring_results(tmp_path_factory):
-    return run_cases(CASES, tmp_path_factory, "ring_world")
+def drpo_results(request, tmp_path_factory):
+    """Shared with the other exactness modules: one spawn per world size for all of them."""
+    return shared_results(request, tmp_path_factory)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("world", "case"), PARAMS, ids=str)
-def test_ring_attn_drpo_update_matches_one_piece_reference(ring_results, world, case):
-    assert_matches_reference(result(ring_results, world, case), case, world // case.ring)
+def test_ring_attn_drpo_update_matches_one_piece_reference(drpo_results, world, case):
+    assert_matches_reference(result(drpo_results, world, case), case, world // case.ring)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("world", "case"), PARAMS, ids=str)
-def test_ring_attn_ranks_forward_their_slice_of_each_micro_batch(ring_results, world, case):
+def test_ring_attn_ranks_forward_their_slice_of_each_micro_batch(drpo_results, world, case):
     """The model of each ring rank sees half of the packed tokens (rounded up: OpenRLHF pads
     the packed row to a multiple of the ring size), on every forward."""
-    slices = result(ring_results, world, case)["slices"]
+    slices = result(drpo_results, world, case)["slices"]
     assert slices
     assert all(local == -(-total // case.ring) for total, local in slices)

@@ -11,7 +11,7 @@ model is kept in fp32 here (``actor_setup.fp32_tensor_parallel``) so that the co
 exact."""
 
 import pytest
-from drpo_actor_harness import Case, assert_matches_reference, result, run_cases, tiny_model
+from drpo_actor_harness import Case, assert_matches_reference, result, shared_results, tiny_model
 
 CASES = {
     2: [  # one tensor-parallel group: TP=2, DP=1
@@ -29,21 +29,20 @@ PARAMS = [(w, c) for w, cases in CASES.items() for c in cases]
 
 
 @pytest.fixture(scope="module")
-def tensor_parallel_results(tmp_path_factory):
-    return run_cases(CASES, tmp_path_factory, "tensor_parallel_world")
+def drpo_results(request, tmp_path_factory):
+    """Shared with the other exactness modules: one spawn per world size for all of them."""
+    return shared_results(request, tmp_path_factory)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("world", "case"), PARAMS, ids=str)
-def test_tensor_parallel_drpo_update_matches_one_piece_reference(
-    tensor_parallel_results, world, case
-):
+def test_tensor_parallel_drpo_update_matches_one_piece_reference(drpo_results, world, case):
     shared = case.ring * case.tp
-    assert_matches_reference(result(tensor_parallel_results, world, case), case, world // shared)
+    assert_matches_reference(result(drpo_results, world, case), case, world // shared)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("world", "case"), PARAMS, ids=str)
-def test_tensor_parallel_ranks_hold_a_share_of_the_layers(tensor_parallel_results, world, case):
+def test_tensor_parallel_ranks_hold_a_share_of_the_layers(drpo_results, world, case):
     full = sum(p.numel() for p in tiny_model().parameters())
-    assert result(tensor_parallel_results, world, case)["local_numel"] < 0.75 * full
+    assert result(drpo_results, world, case)["local_numel"] < 0.75 * full
