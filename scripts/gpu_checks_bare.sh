@@ -13,21 +13,29 @@
 # import-only stand-ins (tests/bare_gpu_site).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-WHEELS=(openrlhf==0.11.2 transformers==5.15.0 tokenizers==0.22.2 hjson==3.1.0 pydantic==2.14.4
-  pydantic_core==2.50.5 annotated_types==0.8.0 typing_inspection==0.4.5 datasets==5.2.0
-  dill==0.4.1 multiprocess==0.70.19 torchdata==0.11.0 optree==0.20.0 jsonlines==4.0.0
-  pylatexenc==2.11 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2 math-verify==0.9.0)
+# what the actor path imports and that machine lacks, at the versions .venv pins (DeepSpeed
+# last: it is built, not downloaded)
+PACKAGES=(openrlhf transformers tokenizers hjson pydantic pydantic_core annotated_types
+  typing_inspection datasets dill multiprocess torchdata optree jsonlines pylatexenc
+  latex2sympy2_extended antlr4-python3-runtime math-verify deepspeed)
 
 download() {
   local platforms=() p
   for p in manylinux_2_28 manylinux_2_27 manylinux_2_17 manylinux2014 manylinux1; do
     platforms+=(--platform "${p}_x86_64")
   done
+  local pins
+  mapfile -t pins < <(.venv/bin/python - "${PACKAGES[@]}" <<'PY'
+import importlib.metadata, sys
+for name in sys.argv[1:]:
+    print(f"{name}=={importlib.metadata.version(name)}")
+PY
+  )
   mkdir -p .whl
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-    --implementation cp "${platforms[@]}" --platform any -d .whl "${WHEELS[@]}"
+    --implementation cp "${platforms[@]}" --platform any -d .whl "${pins[@]:0:${#pins[@]}-1}"
   # DeepSpeed publishes an sdist only; its wheel is pure Python without prebuilt ops
-  DS_BUILD_OPS=0 .venv/bin/pip wheel -q --no-deps --no-build-isolation deepspeed==0.19.6 -w .whl
+  DS_BUILD_OPS=0 .venv/bin/pip wheel -q --no-deps --no-build-isolation "${pins[-1]}" -w .whl
 }
 
 step() {  # step NAME SECONDS CMD...: run one check, log it, go on to the next on failure
