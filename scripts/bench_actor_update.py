@@ -161,6 +161,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, help="torch CPU threads per worker (0: torch's default)")
     p.add_argument("--peak-tflops", type=float, help="bf16 peak to compare with (GPU)")
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    p.add_argument(
+        "--ppo-drop-logits",
+        action="store_true",
+        help="ablation: PPO's actor output without its fp32 logits, which OpenRLHF's PPO step\n"
+        "holds through the backward and DRPO's never asks for (the peak-memory gap)",
+    )
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -190,6 +196,8 @@ def worker_argv(args: argparse.Namespace, method: str, rank: int, port: int) -> 
     )
     if args.packing:
         argv.append("--packing")
+    if args.ppo_drop_logits:
+        argv.append("--ppo-drop-logits")
     return argv
 
 
@@ -305,6 +313,19 @@ def timed(fn: Callable, buckets: dict[str, list[float]], name: Callable[[], str 
     return wrapper
 
 
+def drop_logits(forward: Callable) -> Callable:
+    """``forward`` whose model output (returned with ``return_output``) no longer references
+    the fp32 logits; what autograd saved for the backward is untouched."""
+
+    def wrapper(*a, **k):
+        out = forward(*a, **k)
+        if isinstance(out, tuple):
+            out[1]["logits"] = None
+        return out
+
+    return wrapper
+
+
 def old_log_probs(actor, data: dict[str, torch.Tensor], micro: int, device: str) -> torch.Tensor:
     """pi_old's log-probs, as OpenRLHF's experience maker gives them (not timed)."""
     actor.eval()
@@ -364,6 +385,8 @@ def run_worker(args: argparse.Namespace) -> None:
         trainer.enable_drpo(DRPOConfig(kl_estimate=args.kl_estimate))
         positions, info = actor_setup.dealt_share(data["group"], trainer.drpo_layout, args.rank)
     else:  # OpenRLHF's contiguous chunk
+        if args.ppo_drop_logits:
+            actor.forward = drop_logits(actor.forward)
         count, batch = len(data["group"]), strategy.args.rollout.micro_batch_size
         positions = actor_setup.openrlhf_share(count, args.ranks, args.rank, batch)
         info = {drpo_module.GROUP_KEY: data["group"][positions]}

@@ -6,7 +6,8 @@
 # (scripts/bench_actor_update.py --device cuda). What needs vLLM or Ray stays in
 # scripts/smoke_gpu.sh, for a real GPU node.
 #   bash scripts/gpu_checks_bare.sh download   # here, with PyPI and .venv: wheels into .whl/
-#   bash scripts/gpu_checks_bare.sh run [OUT]  # there, .whl/ carried: logs into OUT
+#   bash scripts/gpu_checks_bare.sh run [OUT [CHECK...]]  # there, .whl/ carried: logs into OUT
+# CHECK: exactness, gradient, bench, bench_mb8, memory_ablation (default: all, in that order).
 # The wheels are the pinned versions of what the actor path imports and that machine lacks
 # (transformers too: its own is newer); its torch stays (the pin, 2.13, is not carried).
 # Ray and vLLM, which OpenRLHF's actor modules import but the update never calls, are
@@ -62,14 +63,37 @@ print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_dev
 print("transformers", transformers.__version__, "deepspeed", deepspeed.__version__)'
   } >"$OUT/env.txt" 2>&1
   cat "$OUT/env.txt"
+  local steps=("${@:2}")
+  [ ${#steps[@]} -gt 0 ] || steps=(exactness gradient bench bench_mb8 memory_ablation)
+  for name in "${steps[@]}"; do "check_$name"; done
+}
+
+check_exactness() {
   step exactness 240 env DRPO_TEST_DEVICE=cuda python3 -m pytest -p no:cacheprovider -q \
     --timeout 230 tests/test_drpo_actor_exactness.py
-  step gradient_bf16 60 python3 scripts/smoke_gradient.py --work /tmp/sg --device cuda \
-    --dtype bf16 --seeds 5
-  step gradient_fp32 60 python3 scripts/smoke_gradient.py --work /tmp/sg --device cuda \
-    --dtype fp32 --seeds 5
+}
+
+check_gradient() {
+  local dtype
+  for dtype in bf16 fp32; do
+    step "gradient_$dtype" 60 python3 scripts/smoke_gradient.py --work /tmp/sg --device cuda \
+      --dtype "$dtype" --seeds 5
+  done
+}
+
+check_bench() {
   step bench 300 python3 scripts/bench_actor_update.py --device cuda --repeats 2 \
     --json "$OUT/bench.json"
+}
+
+check_bench_mb8() {  # one micro-batch per group: the one-pass update and its penalty passes
+  step bench_mb8 300 python3 scripts/bench_actor_update.py --device cuda --micro-batch 8 \
+    --repeats 5 --json "$OUT/bench_mb8.json"
+}
+
+check_memory_ablation() {  # PPO's peak without the logits its step holds (docs/performance.md)
+  step memory_ablation 150 python3 scripts/bench_actor_update.py --device cuda \
+    --micro-batch 8 --repeats 1 --methods ppo --ppo-drop-logits --json "$OUT/ablation.json"
 }
 
 "$@"

@@ -122,3 +122,37 @@ def test_ppo_share_is_openrlhfs_chunk(count, world, batch):
     assert torch.cat([openrlhf_share(count, world, r, batch) for r in range(world)]).tolist() == [
         *range(count)
     ]
+
+
+def test_ppo_drop_logits_releases_only_the_outputs_logits():
+    """The memory ablation's wrapper frees the logits the output held (nothing else keeps
+    them: autograd saved what the backward needs) and leaves the log-probs' gradient as it
+    was; an output without ``return_output`` passes through."""
+    import importlib.util
+    import weakref
+
+    from transformers.modeling_outputs import CausalLMOutput
+
+    spec = importlib.util.spec_from_file_location("bench_actor_update", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    layer = torch.nn.Linear(3, 5)
+    x = torch.randn(4, 3)
+    held = []
+
+    def forward(return_output: bool = True):
+        logits = layer(x).float()
+        held.append(weakref.ref(logits))
+        log_probs = logits.log_softmax(-1)[:, 0]
+        return (log_probs, CausalLMOutput(logits=logits)) if return_output else log_probs
+
+    log_probs, output = module.drop_logits(forward)()
+    assert output.logits is None and output["logits"] is None
+    assert held[-1]() is None
+    (grad,) = torch.autograd.grad(log_probs.sum(), layer.weight)
+    reference, kept = forward()
+    (expected,) = torch.autograd.grad(reference.sum(), layer.weight)
+    torch.testing.assert_close(grad, expected, rtol=0, atol=0)
+    assert held[-1]() is kept.logits  # without the wrapper the output keeps them alive
+    bare = module.drop_logits(forward)(return_output=False)
+    assert isinstance(bare, torch.Tensor)
