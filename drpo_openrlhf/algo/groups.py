@@ -30,13 +30,12 @@ def segment_logsumexp(values: Tensor, index: Tensor, num_groups: int, mask: Tens
     Stable for large magnitudes (shifted by the group max) and NaN-free in the backward pass,
     including for groups with no entry, whose value is ``-inf``.
     """
-    neg_inf = values.new_full((), float("-inf"))
-    masked = torch.where(mask, values, neg_inf)
+    masked = torch.where(mask, values, float("-inf"))
     group_max = values.new_full((num_groups,), float("-inf"))
     group_max = group_max.scatter_reduce(0, index, masked.detach(), "amax", include_self=True)
-    nonempty = torch.isfinite(group_max)
-    shift = torch.where(nonempty, group_max, torch.zeros_like(group_max))
-    exp = torch.where(mask, torch.exp(torch.where(mask, values - shift[index], 0.0)), 0.0)
-    total = segment_sum(exp, index, num_groups)
-    safe_log = torch.log(torch.where(nonempty, total, torch.ones_like(total)))
-    return torch.where(nonempty, safe_log + shift, neg_inf)
+    # The inner where keeps an unmasked entry's value out of exp (its overflow, or an empty
+    # group's -inf shift, would turn its zero gradient into NaN, as would the NaN that an
+    # empty group's log(0) sends back); the outer one keeps it out of the sum. An empty
+    # group's value is log(0) + (-inf) = -inf.
+    exp = torch.where(mask, torch.exp(torch.where(mask, values - group_max[index], 0.0)), 0.0)
+    return torch.log(segment_sum(exp, index, num_groups)) + group_max
