@@ -125,14 +125,23 @@ def assert_drpo_trained(out: Path, base: Path, steps: int) -> dict[str, dict[int
     return logged
 
 
-def test_drpo_zero2_with_eval_then_resume_from_its_checkpoint(toy_llama, ray_address, tmp_path):
-    """On the 8B recipe's architecture (a tiny Llama: untied LM head, no biases, llama3 RoPE,
-    grouped KV heads, DeepSeek-R1-Distill-Llama's chat format and BOS; tests/conftest.py),
-    through the weight-sync check, evaluation and a resume."""
+def optimizer_shards(out: Path, step: int) -> list[str]:
+    """The DeepSpeed optimizer-state files of the step's checkpoint (ZeRO: one per rank)."""
+    return sorted(
+        p.name for p in (out / "ckpt" / "_actor" / f"global_step{step}").glob("*optim_states.pt")
+    )
+
+
+def test_drpo_two_ranks_zero2_llama_with_eval_then_resume(toy_llama, ray_address, tmp_path):
+    """Two actor ranks under ZeRO-2 (first run and resume), on the 8B recipe's architecture (a
+    tiny Llama: untied LM head, no biases, llama3 RoPE, grouped KV heads,
+    DeepSeek-R1-Distill-Llama's chat format and BOS; tests/conftest.py), through the
+    weight-sync check, evaluation, and a resume from the run's own checkpoint."""
     toy = toy_llama
     out = tmp_path / "run"
+    two_ranks = ("--ds.zero_stage", "2", "--actor.num_gpus_per_node", "2")
     eval_flags = ("--eval.dataset", str(toy["eval"]), "--eval.steps", "1")
-    first = train(toy, out, "--ds.zero_stage", "2", *eval_flags, ray_address=ray_address)
+    first = train(toy, out, *two_ranks, *eval_flags, ray_address=ray_address)
     assert first.returncode == 0, first.output[-3000:]
     logged = assert_drpo_trained(out, toy["base"], steps=2)
     assert any(tag.startswith("eval/") for tag in logged), sorted(logged)
@@ -142,11 +151,14 @@ def test_drpo_zero2_with_eval_then_resume_from_its_checkpoint(toy_llama, ray_add
         trained["lm_head.weight"].float(),
         load_file(toy["base"] / "model.safetensors")["lm_head.weight"].float(),
     )
+    # two ranks trained: ZeRO-2 saved one optimizer shard per rank
+    assert len(optimizer_shards(out, step=2)) == 2, optimizer_shards(out, step=2)
 
     resumed = train(
         toy,
         out,
-        *("--ds.zero_stage", "2", "--ckpt.load_enable", "--drpo.lam", "0.2"),
+        *two_ranks,
+        *("--ckpt.load_enable", "--drpo.lam", "0.2"),
         ray_address=ray_address,
         steps=3,
     )
@@ -158,31 +170,20 @@ def test_drpo_zero2_with_eval_then_resume_from_its_checkpoint(toy_llama, ray_add
     # the checkpoint carried the DRPO settings: the changed lambda is named
     assert "resuming with DRPO settings" in resumed.output and "'lam': 0.1" in resumed.output
     assert (out / "ckpt" / "_actor" / "global_step3").is_dir()
+    assert len(optimizer_shards(out, step=3)) == 2, optimizer_shards(out, step=3)
 
 
-def test_drpo_zero3_one_rank(toy, ray_address, tmp_path):
-    done = train(toy, tmp_path, "--ds.zero_stage", "3", ray_address=ray_address)
+def test_drpo_zero3_one_rank_then_disco_from_the_model_it_saved(toy, ray_address, tmp_path):
+    """A DRPO run with ZeRO-3 on one actor rank, then a DisCO run (``--drpo.lam inf``) that
+    starts from the model the ZeRO-3 run saved (its gathered weights must load as a model)."""
+    first = tmp_path / "zero3"
+    done = train(toy, first, "--ds.zero_stage", "3", ray_address=ray_address)
     assert done.returncode == 0, done.output[-3000:]
-    assert_drpo_trained(tmp_path, toy["base"], steps=2)
+    assert_drpo_trained(first, toy["base"], steps=2)
 
-
-def test_drpo_two_actor_ranks(toy, ray_address, tmp_path):
-    done = train(
-        toy,
-        tmp_path,
-        *("--ds.zero_stage", "2", "--actor.num_gpus_per_node", "2"),
-        ray_address=ray_address,
-    )
-    assert done.returncode == 0, done.output[-3000:]
-    assert_drpo_trained(tmp_path, toy["base"], steps=2)
-
-
-def test_disco_from_a_model_a_run_saved(toy, ray_address, tmp_path):
-    first = tmp_path / "first"
-    assert train(toy, first, ray_address=ray_address, steps=1).returncode == 0
     saved = {**toy, "base": first / "model"}
-    done = train(saved, tmp_path / "disco", "--drpo.lam", "inf", ray_address=ray_address)
-    assert done.returncode == 0, done.output[-3000:]
+    disco = train(saved, tmp_path / "disco", "--drpo.lam", "inf", ray_address=ray_address)
+    assert disco.returncode == 0, disco.output[-3000:]
     assert_drpo_trained(tmp_path / "disco", first / "model", steps=2)
 
 
