@@ -11,11 +11,12 @@ breakages run to the end (exit 0), so it is the guard that stops them.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 from test_e2e_pipeline import train
-from test_weight_places_guard import PLACES, another_checkpoint
+from test_weight_places_guard import BROKEN, PLACES, another_checkpoint
 
 from drpo_openrlhf.algo.logprob_gap import FALLBACK_LIMIT, derived_limit
 from drpo_openrlhf.eval.tensorboard_logs import read_scalars
@@ -25,9 +26,15 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 SITE = Path(__file__).parent / "sync_break_site"
 SKIPPED = "model.layers.0.self_attn.o_proj.weight"
 RENAMED = ("model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight")
-# engine 0: one tensor skipped, one loaded under the wrong name; engine 1 loads nothing
-ONE_STEP_BREAKS = {"0": {"skip": SKIPPED, "rename": RENAMED}, "1": {"nothing": True}}
+# engine 0: one tensor skipped, one loaded under the wrong name; engine 1 loads nothing;
+# engine 2: the right values in other places (test_weight_places_guard.py's PLACES)
+ONE_STEP_BREAKS = {
+    "0": {"skip": SKIPPED, "rename": RENAMED},
+    "1": {"nothing": True},
+    "2": PLACES["0"],
+}
 GUARD = "weight sync check failed"
+HOLDS = r"holds other values or places than the actor's '([^']+)'"
 
 
 def broken_run(toy, out: Path, monkeypatch, breaks: dict, *flags: str, steps: int):
@@ -36,19 +43,50 @@ def broken_run(toy, out: Path, monkeypatch, breaks: dict, *flags: str, steps: in
     return train(toy, out, *flags, ray_address=None, steps=steps)
 
 
-def test_skipped_renamed_and_unloaded_tensors_stop_the_run(toy, tmp_path, monkeypatch):
+def engine_reports(out: str, engines: int) -> list[str]:
+    """The guard's problems per engine: the lines under its ``engine i of n:`` headings."""
+    reports: list[list[str]] = [[] for _ in range(engines)]
+    current = None
+    for line in out.splitlines():
+        head = re.fullmatch(rf"  engine (\d+) of {engines}:", line)
+        if head:
+            current = int(head[1])
+        elif current is not None and line.startswith("    "):
+            reports[current].append(line)
+        else:
+            current = None
+    return ["\n".join(lines) for lines in reports]
+
+
+def test_skipped_renamed_unloaded_and_misplaced_tensors_stop_the_run_at_the_first_sync(
+    toy, tmp_path, monkeypatch
+):
+    """Every breakage of the first sync, one run, three engines (``ONE_STEP_BREAKS``): engine 0
+    skips a tensor and loads another under the wrong name, engine 1 loads nothing, engine 2
+    loads the right values in other places (``PLACES``: rows reversed, a square matrix
+    transposed, gate and up swapped). None masks another: the check (``check_sync``) lists
+    every engine's problems under its own ``engine i of 3:`` before it raises, and an engine's
+    problems depend on its own report only. Engines 0 and 1 fail the per-name load checks,
+    which end their own check before the digests (``engine_problems``), so no "holds other
+    values" line comes from them; engine 2 loads every name exactly once, so its problems are
+    the digests' only. At most 8 problems are listed per engine; engine 0 has 5, engine 2 4."""
     done = broken_run(
-        toy, tmp_path, monkeypatch, ONE_STEP_BREAKS, "--vllm.num_engines", "2", steps=2
+        toy, tmp_path, monkeypatch, ONE_STEP_BREAKS, "--vllm.num_engines", "3", steps=2
     )
     assert done.returncode != 0
     out = done.output
     assert f"{GUARD} after rollout step 1" in out, out[-3000:]
-    engine0, engine1 = out.split("engine 0 of 2:")[1].split("engine 1 of 2:")
-    assert f"'{SKIPPED}' was sent but not loaded" in engine0
+    engine0, engine1, engine2 = engine_reports(out, 3)
+    assert f"'{SKIPPED}' was sent but not loaded" in engine0, engine0
     assert f"vLLM parameter '{SKIPPED}' was not loaded by this sync" in engine0
     assert f"'{RENAMED[1]}' was loaded 2 times" in engine0
     assert f"'{RENAMED[0]}' was sent but not loaded" in engine0
     assert "was sent but not loaded" in engine1 and "and " in engine1  # every tensor, cut
+    named = set(re.findall(HOLDS, engine2))
+    assert named == set(BROKEN), engine2
+    assert set(re.findall(HOLDS, out)) == set(BROKEN)  # from engine 2 only
+    assert "vLLM parameter 'model.layers.1.mlp.gate_up_proj.weight' holds" in engine2
+    assert "not loaded" not in engine2 and "times" not in engine2, engine2
     assert "Global step 2:" not in out
 
 
