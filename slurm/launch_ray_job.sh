@@ -703,7 +703,9 @@ submit_job() {
     fi
     if ((attempt == SUBMIT_ATTEMPTS)); then
       log "Ray's dashboard found no job agent on the head in $attempt attempts" \
-        "(SUBMIT_ATTEMPTS); check the head's Ray logs (dashboard_agent.log)"
+        "(SUBMIT_ATTEMPTS); check the head's Ray logs (dashboard_agent.log): another Ray on" \
+        "that node holds the agent's port 52365 if it says 'address already in use' (then" \
+        "set RAY_START_ARGS=--dashboard-agent-listen-port=PORT)"
       break
     fi
     log "attempt $attempt of $SUBMIT_ATTEMPTS: Ray's dashboard found no job agent on the head" \

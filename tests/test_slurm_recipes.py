@@ -488,6 +488,9 @@ def test_real_pipeline_requeues_and_resumes(cluster: SlurmCluster, toy, tmp_path
         **dict(MAX_STEPS=str(steps), SAVE_STEPS=str(steps)),
         "RAY_PORT": str(free_port()),
         "RAY_DASHBOARD_PORT": str(free_port()),
+        # any other Ray on this machine (a test's local cluster) holds the agent's default
+        # port, 52365; the head's job agent then never starts and no job can be submitted
+        "RAY_START_ARGS": f"--dashboard-agent-listen-port={free_port()}",
         "RAY_POLL_INTERVAL": "1",
         "RAY_WAIT_TIMEOUT": "120",
     }
