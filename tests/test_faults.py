@@ -203,18 +203,28 @@ def grader_ready(pid: int) -> bool:
     return False
 
 
+UNCACHED_MATH_REWARD = r"""
+from drpo_openrlhf.rewards import grading
+from drpo_openrlhf.rewards.math_reward import reward_func as math_reward
+
+grading._verdicts = grading._Verdicts(0)
+PROBES = [f"</think>\\boxed{{-{i}7}}" for i in range(4)]  # wrong: no fast path decides them
+
+
+def reward_func(queries, prompts, labels, **kwargs):
+    grading.grade_responses(PROBES, [labels[0]] * len(PROBES))
+    return math_reward(queries, prompts, labels, **kwargs)
+"""
+
+
 def uncached_math_reward(folder: Path) -> Path:
-    """The math reward with its verdict cache off: every answer no fast path decides goes to a
-    grader process (the toy's few wrong answers repeat, and once cached would never reach the
-    pool again, so a step might send it nothing)."""
+    """The math reward with its verdict cache off, and with four wrong answers that no fast
+    path decides graded beside every call: every grader process gets jobs in every step, so
+    a stopped one is reached at once. (The toy's answers are mostly decided by the fast
+    paths; on an idle machine the policy once ran 19 steps without reaching the stopped
+    one, and the run ended before the recovery the test waits for.)"""
     file = folder / "uncached_math_reward.py"
-    file.write_text(
-        "from drpo_openrlhf.rewards import grading\n"
-        "from drpo_openrlhf.rewards.math_reward import reward_func as math_reward\n\n"
-        "grading._verdicts = grading._Verdicts(0)\n\n\n"
-        "def reward_func(queries, prompts, labels, **kwargs):\n"
-        "    return math_reward(queries, prompts, labels, **kwargs)\n"
-    )
+    file.write_text(UNCACHED_MATH_REWARD)
     return file
 
 
