@@ -193,6 +193,13 @@ def test_vllm_engine_killed_during_a_rollout(toy, ray_address, inject, tmp_path)
 GRADER = ("rewards/_grader_worker.py",)
 
 
+def run_graders() -> list[int]:
+    """The run's grader processes: this session's, less any pool of this test process (a
+    test that graded in-process leaves one, whose workers the run never uses). A grader's
+    last argument is its parent's pid."""
+    return [pid for pid, line in session_processes(GRADER) if line.split()[-1] != str(os.getpid())]
+
+
 def grader_ready(pid: int) -> bool:
     """A grader worker caps its address space just before it reports ready (a stopped one
     still starting would hold up its pool slot for the 120 s start-up limit instead)."""
@@ -243,7 +250,7 @@ def test_grader_workers_replaced_then_actor_killed_in_an_optimizer_step(
     # at most 20 steps: the actor's death ends the run sooner
     run = Run(toy, tmp_path, "--reward.remote_url", str(reward), ray_address=ray_address, steps=20)
     run.wait_until(lambda: latest(tmp_path) == "global_step1")
-    workers = run_pids(GRADER)
+    workers = run_graders()
     assert len(workers) >= 2, workers
     run.wait_until(lambda: all(grader_ready(pid) for pid in workers[:2]))
     killed, stopped = workers[:2]
@@ -253,12 +260,12 @@ def test_grader_workers_replaced_then_actor_killed_in_an_optimizer_step(
         # the stopped one is killed by the pool at its deadline, both are started afresh
         run.wait_until(
             lambda: (
-                stopped not in (pids := run_pids(GRADER))
+                stopped not in (pids := run_graders())
                 and len(set(pids) - {killed, stopped}) >= len(workers)
             )
         )
     finally:
-        if stopped in run_pids(GRADER):
+        if stopped in run_graders():
             os.kill(stopped, signal.SIGKILL)
     inject(fault="kill_actor", step=1)  # the actor's next optimizer step
     run.wait_until(lambda: "FAULT:" in run.output)
