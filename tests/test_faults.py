@@ -227,9 +227,8 @@ def reward_func(queries, prompts, labels, **kwargs):
 def uncached_math_reward(folder: Path) -> Path:
     """The math reward with its verdict cache off, and with four wrong answers that no fast
     path decides graded beside every call: every grader process gets jobs in every step, so
-    a stopped one is reached at once. (The toy's answers are mostly decided by the fast
-    paths; on an idle machine the policy once ran 19 steps without reaching the stopped
-    one, and the run ended before the recovery the test waits for.)"""
+    a stopped one is reached at once (the toy's own answers are mostly decided by the fast
+    paths, so nothing else bounds when a job reaches it)."""
     file = folder / "uncached_math_reward.py"
     file.write_text(UNCACHED_MATH_REWARD)
     return file
@@ -241,8 +240,8 @@ def test_grader_workers_replaced_then_actor_killed_in_an_optimizer_step(
     """Two faults in one run. Once step 1 is saved, one of the math reward's grader processes
     is killed and another stopped (a hang past its hard deadline); the test waits until the
     pool has killed the stopped one and runs fresh ones in both places, while the run grades
-    on (a recovery). Then the actor process kills itself in its optimizer step 4, which stops
-    the run at its last complete checkpoint. The actor's death cannot hide a failed recovery:
+    on (a recovery). Then the actor process kills itself in its next optimizer step, which
+    stops the run at its last complete checkpoint. The actor's death cannot hide a failed recovery:
     the fault is injected only once the recovery is seen (a fixed step raced it on a loaded
     machine, where the recovery outlasted three steps), and a reward call stuck on a lost
     worker would stop the run with a RewardError (the call's 20 s limit) before that."""
