@@ -210,6 +210,14 @@ def add_drpo_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="per-prompt lambda / pass_rate (gentler length pressure on hard prompts)",
     )
+    g.add_argument(
+        "--drpo.pass_rate_prior",
+        type=float,
+        default=d.pass_rate_prior,
+        help="with --drpo.lambda_by_pass_rate: shrink each prompt's pass rate towards 1/2 by "
+        "this many pseudo-samples, so one sample's luck moves lambda less (default "
+        "%(default)s: the group's own rate; docs/algorithm.md)",
+    )
 
 
 def _shaping_params(text: str) -> dict[str, float | None]:

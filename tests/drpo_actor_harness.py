@@ -42,6 +42,8 @@ class Case:
     ring: int = 1
     # --ds.tensor_parallel_size: DeepSpeed AutoTP splits the layers over consecutive ranks
     tp: int = 1
+    # --drpo.lambda_by_pass_rate with this --drpo.pass_rate_prior (None: a fixed lambda)
+    pass_rate_prior: float | None = None
 
     @property
     def name(self) -> str:
@@ -51,6 +53,7 @@ class Case:
         name += "-preference" if self.preference else ""
         name += f"-ring{self.ring}" if self.ring > 1 else ""
         name += f"-tp{self.tp}" if self.tp > 1 else ""
+        name += f"-pass_rate{self.pass_rate_prior:g}" if self.pass_rate_prior is not None else ""
         return name + (f"-chunk{self.chunk}" if self.chunk else "")
 
 
@@ -198,7 +201,10 @@ def drpo_config(case: Case):
     from drpo_openrlhf.algo import DRPOConfig
 
     positive = "fewer_reflections" if case.preference else "length"
-    return DRPOConfig(kl_estimate=case.kl_estimate, max_len=8, positive_reward=positive)
+    schedule = {}
+    if case.pass_rate_prior is not None:
+        schedule = dict(lambda_by_pass_rate=True, pass_rate_prior=case.pass_rate_prior)
+    return DRPOConfig(kl_estimate=case.kl_estimate, max_len=8, positive_reward=positive, **schedule)
 
 
 def count_forwards(module: torch.nn.Module) -> list[int]:

@@ -132,6 +132,7 @@ def group_micro_batches(seed: int, num_prompts: int, n: int) -> list[torch.Tenso
         {"penalty_form": "paper", "lam": 0.05},
         {"keep_all_wrong": True, "all_correct_length_signal": True},
         {"lambda_by_pass_rate": True, "length_reward": "cosine"},
+        {"lambda_by_pass_rate": True, "pass_rate_prior": 4.0},
     ],
     ids=str,
 )
@@ -170,7 +171,13 @@ def test_one_pass_microstep_gradient_is_exact(seed, options):
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("far", [True, False], ids=["hinge-active", "hinge-inactive"])
 @pytest.mark.parametrize(
-    "options", [{}, {"lam": math.inf}, {"keep_all_wrong": True, "lambda_by_pass_rate": True}]
+    "options",
+    [
+        {},
+        {"lam": math.inf},
+        {"keep_all_wrong": True, "lambda_by_pass_rate": True},
+        {"lambda_by_pass_rate": True, "pass_rate_prior": 2.0},
+    ],
 )
 def test_score_pass_then_penalty_pass_gives_the_minibatch_gradient(seed, far, options):
     """Mini-batch KL, whole groups per micro-step: micro-step-local score coefficients in one
@@ -305,6 +312,9 @@ def test_response_scalars_reject_mismatched_fields():
         dict(length_reward="exp"),
         dict(max_len=0),
         dict(lam=math.inf, lambda_by_pass_rate=True),
+        dict(pass_rate_prior=4.0),  # without lambda_by_pass_rate it would do nothing
+        dict(lambda_by_pass_rate=True, pass_rate_prior=-1.0),
+        dict(lambda_by_pass_rate=True, pass_rate_prior=math.inf),
     ],
 )
 def test_config_rejects_invalid_values(kwargs):

@@ -3,7 +3,12 @@ import math
 import pytest
 import torch
 
-from drpo_openrlhf.algo import length_reward, positive_log_weights, positive_weights
+from drpo_openrlhf.algo import (
+    length_reward,
+    pass_rate_lambda,
+    positive_log_weights,
+    positive_weights,
+)
 
 pytestmark = pytest.mark.usefixtures("float64_default")
 
@@ -81,3 +86,35 @@ def test_groups_without_correct_responses_get_no_weight():
 def test_lambda_must_be_positive(lam):
     with pytest.raises(ValueError, match="lambda must be positive"):
         positive_weights(torch.zeros(2), torch.tensor([True, True]), torch.zeros(2), lam)
+
+
+def _groups_of_eight(hits: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    correct = torch.tensor([i < c for c in hits for i in range(8)])
+    return correct, torch.arange(len(hits)).repeat_interleave(8)
+
+
+def test_pass_rate_lambda_divides_by_the_groups_own_rate_without_a_prior():
+    correct, group_ids = _groups_of_eight([1, 2, 8, 0])
+    lam = pass_rate_lambda(0.1, correct, group_ids).view(4, 8)
+    assert (lam == lam[:, :1]).all()  # one lambda per prompt
+    expected = torch.tensor([0.8, 0.4, 0.1, 0.1], dtype=torch.float64)  # no correct: lambda
+    torch.testing.assert_close(lam[:, 0], expected, rtol=1e-15, atol=0)
+
+
+def test_pass_rate_prior_shrinks_the_rate_towards_one_half():
+    """``(c + a/2) / (n + a)``: with a = 4 pseudo-samples lambda_q lies in [1.2, 4] lambda at
+    n = 8, and one more correct sample of the hardest prompt moves it by 1.33x, not 2x."""
+    correct, group_ids = _groups_of_eight([1, 2, 8, 0])
+    lam = pass_rate_lambda(0.1, correct, group_ids, prior=4.0).view(4, 8)[:, 0]
+    rates = torch.tensor([3 / 12, 4 / 12, 10 / 12], dtype=torch.float64)
+    torch.testing.assert_close(lam[:3], 0.1 / rates, rtol=1e-15, atol=0)
+    assert lam[3] == 0.1
+    huge = pass_rate_lambda(0.1, correct, group_ids, prior=1e12).view(4, 8)[:3, 0]
+    torch.testing.assert_close(huge, torch.full((3,), 0.2, dtype=torch.float64), rtol=1e-9, atol=0)
+
+
+@pytest.mark.parametrize("prior", [-1.0, math.inf, math.nan])
+def test_pass_rate_prior_must_be_a_finite_count(prior):
+    correct, group_ids = _groups_of_eight([1])
+    with pytest.raises(ValueError, match="prior"):
+        pass_rate_lambda(0.1, correct, group_ids, prior=prior)

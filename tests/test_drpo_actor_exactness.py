@@ -3,8 +3,10 @@ single-process reference: same weights after the rollout's optimizer steps, for 
 several micro-batch sizes, packed and padded samples, dynamic batching with groups spread over
 ranks, a short last rollout, one, two and four data-parallel ranks (groups dealt across them
 as in the released code: rank r holds response r of every prompt when ranks = n), with the
-log-probs computed in chunks (``--drpo.logprob_chunk_tokens``) or not, and with a positive
-reward other than length (``--drpo.positive_reward``: scores carried per response)."""
+log-probs computed in chunks (``--drpo.logprob_chunk_tokens``) or not, with a positive
+reward other than length (``--drpo.positive_reward``: scores carried per response), and with
+lambda set per prompt from its pass rate (``--drpo.lambda_by_pass_rate``, with and without
+``--drpo.pass_rate_prior``)."""
 
 import pytest
 import torch
@@ -50,6 +52,9 @@ CASES = {
         Case(2, 1, preference=True),  # scores pass, groups over both ranks
         Case(3, 2, packing=True, kl_estimate="microstep", preference=True),  # one pass
         Case(2, 1, packing=True, dynamic=True, preference=True),
+        # lambda per prompt from its pass rate: the group's counts, wherever its rows are
+        Case(2, 1, pass_rate_prior=4.0),  # scores pass, groups over both ranks
+        Case(3, 2, packing=True, kl_estimate="microstep", pass_rate_prior=0.0),  # one pass
     ],
     4: [  # rank r holds response r of every prompt (W = n), as in the released code
         Case(2, 1, kl_estimate="microstep"),

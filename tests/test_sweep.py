@@ -106,6 +106,44 @@ def test_grid_expands_methods_parameters_and_seeds(inputs: Path) -> None:
     assert (rloo.display, rloo.param_name, rloo.param, rloo.seed) == ("RLOO-LP", "alpha", "0.2", 1)
 
 
+def test_a_label_names_a_variant_of_a_method_in_runs_and_report(inputs: Path, capsys) -> None:
+    """Two DRPO entries with one grid (a lambda schedule beside the fixed lambda) get apart
+    run names, curves and training flags; without the label they would collide."""
+    variant = """
+[[methods]]
+method = "drpo"
+grid = { lambda = [0.1] }
+[[methods]]
+method = "drpo"
+label = "drpo_pass_rate"
+grid = { lambda = [0.1] }
+flags = ["--drpo.lambda_by_pass_rate", "--drpo.pass_rate_prior", "4"]
+"""
+    sweep = load_sweep(write_sweep(inputs, variant, seeds="[0]"), "local")
+    names = [r.name for r in sweep.runs]
+    assert names == ["base-s0", "drpo-lambda0.1-s0", "drpo_pass_rate-lambda0.1-s0"]
+    fixed, schedule = sweep.runs[1:]
+    assert (fixed.display, schedule.display) == ("DRPO", "drpo_pass_rate")
+    assert schedule.method == "drpo" and schedule.flags[0] == "--drpo.lambda_by_pass_rate"
+    out = dry_run(write_sweep(inputs, variant, seeds="[0]"), "local", capsys)
+    configs = {}
+    for line in out.splitlines():
+        command = shlex.split(line) if not line.startswith(("#", "sweep")) else []
+        if command[2:3] == ["drpo_openrlhf.train"]:
+            config, _, argv = train.parse(command[3:])
+            configs[Path(argv[argv.index("--ckpt.output_dir") + 1]).parent.name] = config
+    assert not configs["drpo-lambda0.1-s0"].lambda_by_pass_rate
+    assert configs["drpo_pass_rate-lambda0.1-s0"].lambda_by_pass_rate
+    assert configs["drpo_pass_rate-lambda0.1-s0"].pass_rate_prior == 4.0
+    assert "--method drpo_pass_rate" in out  # drpo-eval's curve name
+    unlabelled = variant.replace('label = "drpo_pass_rate"\n', "")
+    with pytest.raises(SweepError, match=r"run drpo-lambda0\.1-s0 appears 2 times"):
+        load_sweep(write_sweep(inputs, unlabelled, seeds="[0]"), "local")
+    for bad, message in (('"rloo_lp"', "is a method's name"), ('"a b"', "letters, digits")):
+        with pytest.raises(SweepError, match=message):
+            load_sweep(write_sweep(inputs, variant.replace('"drpo_pass_rate"', bad)), "local")
+
+
 def test_grid_errors_are_listed_together_and_nothing_is_submitted(tmp_path: Path, capsys) -> None:
     (tmp_path / "train.jsonl").write_text('{"prompt": "p"}\n')  # no label
     path = tmp_path / "bad.toml"
@@ -494,6 +532,12 @@ def test_toy_writes_the_demo_s_inputs_and_a_runnable_sweep(tmp_path: Path, capsy
     )
     assert along[along.index("--eval.steps") + 1] == "2"
     assert along[along.index("--ckpt.best_metric_key") + 1] == "none"  # no extra saves
+    assert main([*argv, "--schedules"]) == 0  # issue 38's sweep: two DRPO variants more
+    sweep = load_sweep(path, "local")
+    variants = {r.label: r for r in sweep.runs if r.label}
+    assert len([r for r in sweep.runs if r.label]) == 2 * 2 * 3  # 2 schedules x 3 lambdas
+    assert "--drpo.pass_rate_prior" not in variants["drpo_pass_rate"].flags
+    assert variants["drpo_pass_rate_a4"].flags[-2:] == ("--drpo.pass_rate_prior", "4")
 
 
 def test_seed_in_train_flags_is_each_run_s_seed(inputs: Path, capsys) -> None:

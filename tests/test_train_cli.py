@@ -84,10 +84,14 @@ def test_drpo_options_reach_the_config():
             "cosine",
             "--drpo.max_len",
             "4096",
+            "--drpo.lambda_by_pass_rate",
+            "--drpo.pass_rate_prior",
+            "4",
         ]
     )
     assert config.keep_all_wrong and config.penalty_form == "paper"
     assert config.length_reward == "cosine" and config.max_len == 4096
+    assert config.lambda_by_pass_rate and config.pass_rate_prior == 4.0
 
 
 @pytest.mark.parametrize(
@@ -102,6 +106,7 @@ def test_drpo_options_reach_the_config():
         (["--drpo.lam", "0"], "lambda must be > 0"),
         (["--drpo.penalty_form", "half"], "invalid choice"),
         (["--drpo.max_steps", "0"], "--drpo.max_steps must be >= 1"),
+        (["--drpo.pass_rate_prior", "4"], "turn that on"),
         (["--no.such.flag", "1"], "unrecognized arguments"),
     ],
 )

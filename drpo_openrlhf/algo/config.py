@@ -32,8 +32,8 @@ class DRPOConfig:
       ``"length"`` (default) is ``r_l`` above, computed here from token counts; any other
       SPEC (docs/positive_rewards.md) is scored where the rewards run and reaches the loss
       as each response's ``ResponseScalars.preference``.
-    - ``keep_all_wrong``, ``all_correct_length_signal``, ``lambda_by_pass_rate``: options of
-      ``drpo_objective``, off in the released runs.
+    - ``keep_all_wrong``, ``all_correct_length_signal``, ``lambda_by_pass_rate`` and its
+      ``pass_rate_prior``: options of ``drpo_objective``, off in the released runs.
     """
 
     lam: float = 0.1
@@ -48,6 +48,7 @@ class DRPOConfig:
     keep_all_wrong: bool = False
     all_correct_length_signal: bool = False
     lambda_by_pass_rate: bool = False
+    pass_rate_prior: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.lam > 0:
@@ -70,6 +71,10 @@ class DRPOConfig:
             raise ValueError("positive_reward must name a reward ('length' by default)")
         if self.lambda_by_pass_rate and math.isinf(self.lam):
             raise ValueError("lambda_by_pass_rate needs a finite lam")
+        if not (self.pass_rate_prior >= 0 and math.isfinite(self.pass_rate_prior)):
+            raise ValueError(f"pass_rate_prior must be >= 0 and finite, got {self.pass_rate_prior}")
+        if self.pass_rate_prior and not self.lambda_by_pass_rate:
+            raise ValueError("pass_rate_prior shrinks lambda_by_pass_rate's rate: turn that on")
 
     @property
     def length_positive_reward(self) -> bool:
@@ -81,9 +86,10 @@ class DRPOConfig:
         """The ``beta0`` to put in the paper's penalty so that its gradient is the chosen one."""
         return self.beta0 if self.penalty_form == "paper" else self.beta0 / 2
 
-    def objective_options(self) -> dict[str, bool]:
+    def objective_options(self) -> dict[str, bool | float]:
         return dict(
             keep_all_wrong=self.keep_all_wrong,
             all_correct_length_signal=self.all_correct_length_signal,
             lambda_by_pass_rate=self.lambda_by_pass_rate,
+            pass_rate_prior=self.pass_rate_prior,
         )

@@ -42,6 +42,7 @@ def drpo_objective(
     keep_all_wrong: bool = False,
     all_correct_length_signal: bool = False,
     lambda_by_pass_rate: bool = False,
+    pass_rate_prior: float = 0.0,
 ) -> DRPOTerms:
     """The DRPO loss of a batch and its diagnostics.
 
@@ -51,7 +52,8 @@ def drpo_objective(
     - ``all_correct_length_signal``: prompts with only correct responses contribute
       ``sum (w_hat - 1/|S+|) s``: a zero-mean signal that teaches concision on easy prompts
       without moving the overall likelihood of correct answers.
-    - ``lambda_by_pass_rate``: ``lambda_q = lambda / pass_rate(q)`` (see ``pass_rate_lambda``).
+    - ``lambda_by_pass_rate``: ``lambda_q = lambda / pass_rate(q)``, the rate shrunk by
+      ``pass_rate_prior`` pseudo-samples towards 1/2 (see ``pass_rate_lambda``).
     """
     if not tau > 0:
         raise ValueError(f"tau must be positive, got {tau}")
@@ -64,7 +66,9 @@ def drpo_objective(
     n_neg = segment_sum(incorrect.to(scores.dtype), index, num_groups)
     has_pos, has_neg = n_pos > 0, n_neg > 0
 
-    group_lam = pass_rate_lambda(lam, correct, group_ids) if lambda_by_pass_rate else lam
+    group_lam = lam
+    if lambda_by_pass_rate:
+        group_lam = pass_rate_lambda(lam, correct, group_ids, pass_rate_prior)
     log_w = positive_log_weights(length_rewards.to(scores.dtype), correct, group_ids, group_lam)
     w = log_w.exp()
     positive = segment_sum(w * scores, index, num_groups)
@@ -100,7 +104,7 @@ def drpo_loss(
     length_rewards: Tensor,
     lam: float = 0.1,
     tau: float = 10.0,
-    **options: bool,
+    **options: bool | float,
 ) -> Tensor:
     """Scalar loss ``-(1/Q) sum_q J_q``; ``lam=math.inf`` is DisCO. See ``drpo_objective``."""
     return drpo_objective(scores, correct, group_ids, length_rewards, lam, tau, **options).loss

@@ -7,6 +7,8 @@ domain so that ``lambda`` down to 1e-3 neither overflows nor underflows.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -43,15 +45,23 @@ def positive_weights(
     return positive_log_weights(length_rewards, correct, group_ids, lam).exp()
 
 
-def pass_rate_lambda(lam: float, correct: Tensor, group_ids: Tensor) -> Tensor:
-    """Per-response ``lambda_q = lambda / pass_rate(q)``: gentler length pressure on hard prompts.
+def pass_rate_lambda(lam: float, correct: Tensor, group_ids: Tensor, prior: float = 0.0) -> Tensor:
+    """Per-response ``lambda_q = lambda / p_q``: gentler length pressure on hard prompts.
 
     The paper's "future work" direction: a prompt solved by 1 of 8 samples keeps its rare
     correct answers almost equally weighted (``8 lambda``), an easy one gets ``lambda``.
+    ``p_q = (c_q + prior/2) / (n_q + prior)`` is the pass rate shrunk towards 1/2 (the mean of
+    a Beta(prior/2, prior/2) belief, ``prior`` pseudo-samples): with ``prior = 0`` it is the
+    group's own rate, which at ``n = 8`` moves ``lambda_q`` by 2x when one sample of a hard
+    prompt changes; a prior of a few samples caps ``lambda_q`` at
+    ``lambda (n + prior) / (1 + prior/2)`` and keeps it above ``lambda``.
     Prompts with no correct response have no weights to compute; they get ``lambda``.
     """
+    if not (prior >= 0 and math.isfinite(prior)):
+        raise ValueError(f"prior must be a finite number >= 0, got {prior}")
     index, num_groups = dense_group_index(group_ids)
-    ones = torch.ones_like(correct, dtype=torch.float64)
-    rate = segment_sum(correct.double(), index, num_groups) / segment_sum(ones, index, num_groups)
-    per_group = torch.where(rate > 0, lam / rate.clamp(min=1e-12), torch.full_like(rate, lam))
+    hits = segment_sum(correct.double(), index, num_groups)
+    size = segment_sum(torch.ones_like(correct, dtype=torch.float64), index, num_groups)
+    rate = (hits + prior / 2) / (size + prior)
+    per_group = torch.where(hits > 0, lam / rate.clamp(min=1e-12), torch.full_like(rate, lam))
     return per_group[index]

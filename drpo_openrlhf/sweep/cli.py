@@ -4,7 +4,8 @@
   drpo-sweep status SWEEP.toml          each run: done, queued, running, failed or missing
   drpo-sweep report SWEEP.toml          frontier.png, cost.png, report.md, report.json from
                                         finished runs (with each run's training cost)
-  drpo-sweep toy DIR [--seeds ...] [--eval-steps N]  the demo's toy task as a sweep (CPU, local)
+  drpo-sweep toy DIR [--seeds ...] [--eval-steps N] [--schedules]
+                                        the demo's toy task as a sweep (CPU, local)
 
 ``run`` checks the whole grid first and submits nothing if anything is wrong; re-running it
 skips finished runs and submits the failed and missing ones (docs/sweep.md). ``task`` and
@@ -61,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="evaluate every N rollout steps during training (OpenRLHF's --eval.steps), so "
         "the report can say when a run reached DisCO's accuracy (default: no evaluations)",
+    )
+    toy.add_argument(
+        "--schedules",
+        action="store_true",
+        help="add DRPO with lambda from each prompt's pass rate, with and without a prior "
+        "(docs/sweep.md, issue 38's sweep)",
     )
     for name, text in (("task", "train, evaluate, mark (Ray jobs)"), ("finish", "evaluate, mark")):
         sub = commands.add_parser(name, help=f"one run: {text}")
@@ -166,7 +173,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             from drpo_openrlhf.sweep.toy import prepare_toy
 
             path = prepare_toy(
-                args.dir, args.seeds, args.quick, args.steps, args.lr, args.eval_steps
+                args.dir,
+                args.seeds,
+                args.quick,
+                args.steps,
+                args.lr,
+                args.eval_steps,
+                args.schedules,
             )
             print(f"{path}\nrun it with: drpo-sweep run {path} --backend local")
             return 0

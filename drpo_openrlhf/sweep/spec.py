@@ -36,7 +36,7 @@ SECTION_KEYS = {
     "slurm": {"recipe", "throttle", "sbatch_args", "env"},
     "ray": {"address", "submit_args"},
 }
-METHOD_KEYS = {"method", "grid", "params", "flags"}
+METHOD_KEYS = {"method", "label", "grid", "params", "flags"}
 
 
 class SweepError(ValueError):
@@ -60,6 +60,8 @@ class Run:
     train_data: str
     eval_data: tuple[str, ...]
     flags: tuple[str, ...]  # the method's own extra train flags
+    # names a variant of a method (its own flags): its run names and its curve in the report
+    label: str | None = None
 
     @property
     def role(self) -> str:
@@ -72,7 +74,7 @@ class Run:
 
     @property
     def display(self) -> str | None:
-        return DISPLAY.get(self.method)
+        return self.label or DISPLAY.get(self.method)
 
     @property
     def param_name(self) -> str | None:
@@ -228,6 +230,21 @@ def seeded_flags(flags: tuple[str, ...], seed: int | None) -> tuple[str, ...]:
     return tuple(_expand(flag, seed) for flag in flags)
 
 
+def _label(value: Any, where: str, problems: list[str]) -> str | None:
+    """A variant's name (e.g. ``drpo_pass_rate`` for DRPO with a lambda schedule): it
+    replaces the method in run names, so it must differ from every method's."""
+    if value is None:
+        return None
+    reserved = ("base", *METHOD_NAMES)
+    if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z0-9._]+", value):
+        problems.append(f"{where}: label must be letters, digits, '.' or '_', got {value!r}")
+    elif value in reserved:
+        problems.append(f"{where}: label {value!r} is a method's name; pick another")
+    else:
+        return value
+    return None
+
+
 def parse_sweep(data: dict[str, Any], source: Path, problems: list[str]) -> Sweep | None:
     """The sweep described by ``data`` (a parsed file), or None when it cannot even be
     expanded; each problem found is appended to ``problems``."""
@@ -311,11 +328,13 @@ def parse_sweep(data: dict[str, Any], source: Path, problems: list[str]) -> Swee
             continue
         where = f"{where} ({method})"
         flags = _strings(entry.get("flags", []), f"{where} flags", problems)
+        label = _label(entry.get("label"), where, problems)
         for params in _combinations(entry, where, problems):
             if method == "drpo" and math.isinf(params.get("lambda", 0.0)):
                 method_here, params = "disco", {}  # lambda = inf is DisCO
             else:
                 method_here = method
+            label_here = None if method_here == "disco" else label
             problem = _method_problem(method_here, params)
             if problem:
                 problems.append(f"{where}: {problem}")
@@ -324,7 +343,7 @@ def parse_sweep(data: dict[str, Any], source: Path, problems: list[str]) -> Swee
             for seed in seeds:
                 runs.append(
                     Run(
-                        run_name(method_here, ordered, seed),
+                        run_name(label_here or method_here, ordered, seed),
                         method_here,
                         ordered,
                         seed,
@@ -332,6 +351,7 @@ def parse_sweep(data: dict[str, Any], source: Path, problems: list[str]) -> Swee
                         _expand(train_data, seed),
                         tuple(_expand(d, seed) for d in eval_data),
                         flags,
+                        label_here,
                     )
                 )
     names = [r.name for r in runs]

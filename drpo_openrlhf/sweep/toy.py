@@ -10,7 +10,8 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
-from drpo_openrlhf.demo.run import DemoConfig, make_problems, shared_flags, train_base, with_seed
+from drpo_openrlhf.demo.bases import provide_base
+from drpo_openrlhf.demo.run import DemoConfig, make_problems, shared_flags, with_seed
 
 # lambda in {0.05, 0.1, 0.2, 0.5, inf}, RLOO-LP alpha in {0.1, 0.2, 0.4}, and ALP with its
 # penalty scaled to the toy's lengths: beta * 40 tokens = 0.2, RLOO-LP alpha 0.2's largest cut
@@ -20,11 +21,20 @@ METHODS = (
     ("rloo_lp", {"alpha": [0.1, 0.2, 0.4]}),
     ("alp", {"beta": [0.005]}),
 )
+# issue 38: lambda per prompt from its pass rate (the group's own, and shrunk by 4
+# pseudo-samples towards 1/2), at the fixed grid's lambdas below 0.5: dividing by the pass
+# rate raises lambda 1.3-8x, so 0.5 would sit between the fixed 0.5 and DisCO
+SCHEDULES = (
+    ("drpo_pass_rate", ["--drpo.lambda_by_pass_rate"]),
+    ("drpo_pass_rate_a4", ["--drpo.lambda_by_pass_rate", "--drpo.pass_rate_prior", "4"]),
+)
+SCHEDULE_LAMBDAS = [0.05, 0.1, 0.2]
 
 
 def build_seed(config: DemoConfig, root: Path) -> None:
-    """The seed's problems, and its SFT base in ``root`` unless one is there already (the
-    minutes of SFT are not repeated when the sweep file is written again)."""
+    """The seed's problems, and its base in ``root`` (the shipped one where it fits, as in
+    the demo) unless one is there already: a base trained here is not trained again when
+    the sweep file is written again."""
     from drpo_openrlhf.demo.toy_task import write_jsonl
 
     train_problems, eval_problems = make_problems(config)
@@ -32,7 +42,7 @@ def build_seed(config: DemoConfig, root: Path) -> None:
     write_jsonl(eval_problems, root / "eval.jsonl")
     if (root / "base" / "config.json").is_file():
         return
-    train_base(config, root / "init", root / "base", train_problems)
+    provide_base(config, root / "base")
 
 
 def eval_flags(config: DemoConfig) -> list[str]:
@@ -60,7 +70,12 @@ def along_flags(root: Path, config: DemoConfig, eval_steps: int) -> list[str]:
 
 
 def sweep_toml(
-    name: str, root: Path, seeds: list[int], config: DemoConfig, eval_steps: int | None = None
+    name: str,
+    root: Path,
+    seeds: list[int],
+    config: DemoConfig,
+    eval_steps: int | None = None,
+    schedules: bool = False,
 ) -> str:
     """The sweep file (TOML; JSON strings and arrays are valid TOML values)."""
     flags = [*shared_flags(config.rl), "--algo.kl.init_coef", "0"]
@@ -88,6 +103,10 @@ def sweep_toml(
         if grid:
             table = ", ".join(f"{k} = {json.dumps(v)}" for k, v in grid.items())
             lines.append(f"grid = {{ {table} }}")
+    for label, flags in SCHEDULES if schedules else ():
+        lines += ["", "[[methods]]", 'method = "drpo"', f"label = {json.dumps(label)}"]
+        lines += [f"grid = {{ lambda = {json.dumps(SCHEDULE_LAMBDAS)} }}"]
+        lines += [f"flags = {json.dumps(flags)}"]
     return "\n".join(lines) + "\n"
 
 
@@ -98,6 +117,7 @@ def prepare_toy(
     steps: int | None,
     lr: float | None = None,
     eval_steps: int | None = None,
+    schedules: bool = False,
 ) -> Path:
     """Builds every seed's inputs under ``root`` and writes ``root/sweep.toml``."""
     root = root.resolve()
@@ -111,7 +131,12 @@ def prepare_toy(
     path = root / "sweep.toml"
     path.write_text(
         sweep_toml(
-            re.sub(r"[^A-Za-z0-9._-]+", "-", f"toy-{root.name}"), root, seeds, config, eval_steps
+            re.sub(r"[^A-Za-z0-9._-]+", "-", f"toy-{root.name}"),
+            root,
+            seeds,
+            config,
+            eval_steps,
+            schedules,
         ),
         encoding="utf-8",
     )
