@@ -1,5 +1,7 @@
-"""The shipped toy bases (``tests/toy_base.py``) are what the demo's quick recipe trains, and
-the SFT that makes them trains the response only and learns."""
+"""The shipped bases are what their recipes train: the tests' quick bases
+(``tests/toy_base.py``) and the demo's bases of seeds 0-2 (``drpo_openrlhf/demo/bases.py``);
+the demo and the toy sweep use a shipped base only while it fits; the SFT that makes them
+trains the response only and learns."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ import torch
 import toy_base
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from drpo_openrlhf.demo.run import DemoConfig, make_problems, train_base
+from drpo_openrlhf.demo import bases
+from drpo_openrlhf.demo.run import DemoConfig, make_problems, train_base, with_seed
 from drpo_openrlhf.demo.sft import _batches, encode_pair, train_sft
 from drpo_openrlhf.demo.toy_model import build_toy_model
 from drpo_openrlhf.demo.toy_task import sample_traces
@@ -29,14 +32,27 @@ def tokenizer_settings(model_dir: Path) -> dict:
     return settings
 
 
-@pytest.mark.parametrize("architecture", toy_base.ARCHITECTURES)
-def test_shipped_base_is_the_current_recipe_s(architecture: str, tmp_path: Path) -> None:
-    """A change to the demo's quick settings, the toy task or the toy model's files fails here
-    until the bases are rebuilt (``python tests/toy_base.py``)."""
-    shipped = toy_base.FIXTURES / architecture
+SHIPPED = [
+    *((toy_base.FIXTURES / a, DemoConfig.quick(), a) for a in toy_base.ARCHITECTURES),
+    *(
+        (bases.SHIPPED / f"seed{s}", with_seed(DemoConfig(), s), "qwen2")
+        for s in bases.SHIPPED_SEEDS
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("shipped", "config", "architecture"),
+    SHIPPED,
+    ids=[f"{p.parent.name}-{p.name}" for p, *_ in SHIPPED],
+)
+def test_shipped_base_is_the_current_recipe_s(
+    shipped: Path, config: DemoConfig, architecture: str, tmp_path: Path
+) -> None:
+    """A change to the demo's settings, the toy task or the toy model's files fails here until
+    the bases are rebuilt (``python tests/toy_base.py``, ``python -m drpo_openrlhf.demo.bases``)."""
     stamp = json.loads((shipped / "stamp.json").read_text())
-    assert stamp == toy_base.recipe(architecture), "rebuild: python tests/toy_base.py"
-    config = DemoConfig.quick()
+    assert stamp == bases.recipe(config, architecture), "rebuild the shipped base"
     init = build_toy_model(
         tmp_path,
         hidden_size=config.hidden_size,
@@ -51,6 +67,29 @@ def test_shipped_base_is_the_current_recipe_s(architecture: str, tmp_path: Path)
     assert ours.to_diff_dict() == fresh.to_diff_dict()
     model = AutoModelForCausalLM.from_pretrained(shipped)
     assert sum(p.numel() for p in model.parameters()) > 0
+
+
+def test_the_demo_copies_the_shipped_base_that_fits_and_trains_any_other(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trained: list[DemoConfig] = []
+    monkeypatch.setattr(bases, "build", lambda config, output, **_: trained.append(config))
+    seed1 = with_seed(DemoConfig(), 1)
+    assert bases.provide_base(seed1, tmp_path / "a") == "shipped" and not trained
+    weights = "model.safetensors"
+    assert (tmp_path / "a" / weights).read_bytes() == (
+        bases.SHIPPED / "seed1" / weights
+    ).read_bytes()
+    assert bases.provide_base(seed1, tmp_path / "b", retrain=True) == "trained"
+    other = [
+        with_seed(DemoConfig(), 3),  # no shipped base
+        replace(seed1, sft=replace(seed1.sft, steps=999)),
+        replace(seed1, hidden_size=64),
+        DemoConfig.quick(),  # the quick demo's base is the tests' fixture, not shipped here
+    ]
+    for config in other:
+        assert bases.provide_base(config, tmp_path / "c") == "trained"
+    assert trained == [seed1, *other]
 
 
 def test_sft_labels_only_the_response_and_its_eos() -> None:

@@ -10,8 +10,6 @@ matches it. Rebuild both with ``python tests/toy_base.py``.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import shutil
 from pathlib import Path
 
@@ -21,35 +19,17 @@ ARCHITECTURES = ("qwen2", "llama")
 
 def recipe(architecture: str) -> dict:
     """What the base is trained from (``demo.run.train_base``): the demo's quick settings."""
+    from drpo_openrlhf.demo.bases import recipe
     from drpo_openrlhf.demo.run import DemoConfig
 
-    config = DemoConfig.quick()
-    return {
-        "architecture": architecture,
-        "hidden_size": config.hidden_size,
-        "num_layers": config.num_layers,
-        "seed": config.seed,
-        "num_train_problems": config.num_train_problems,
-        "task": dataclasses.asdict(config.task),
-        "sft": dataclasses.asdict(config.sft),
-    }
-
-
-def build(output: Path, architecture: str) -> Path:
-    """Trains the base into ``output`` (an HF model directory) with its ``stamp.json``."""
-    from drpo_openrlhf.demo.run import DemoConfig, make_problems, train_base
-
-    config = DemoConfig.quick()
-    train_problems, _ = make_problems(config)
-    init = output.with_name(output.name + ".init")
-    train_base(config, init, output, train_problems, architecture=architecture)
-    shutil.rmtree(init)
-    (output / "stamp.json").write_text(json.dumps(recipe(architecture), indent=1) + "\n")
-    return output
+    return recipe(DemoConfig.quick(), architecture)
 
 
 if __name__ == "__main__":
+    from drpo_openrlhf.demo.bases import build
+    from drpo_openrlhf.demo.run import DemoConfig
+
     for name in ARCHITECTURES:
         target = FIXTURES / name
         shutil.rmtree(target, ignore_errors=True)
-        print("built", build(target, name))
+        print("built", build(DemoConfig.quick(), target, name))

@@ -421,8 +421,13 @@ def train_base(
     return train_sft(init, base_dir, traces, config.sft, progress=progress)
 
 
-def run_demo(config: DemoConfig, output_dir: str | Path, *, progress: bool = True) -> dict:
-    """The whole demo; returns (and writes to ``summary.json``) the table and timings."""
+def run_demo(
+    config: DemoConfig, output_dir: str | Path, *, progress: bool = True, retrain: bool = False
+) -> dict:
+    """The whole demo; returns (and writes to ``summary.json``) the table and timings. The
+    base is the shipped one of the seed when there is one (``demo/bases.py``), else trained
+    here, as it is with ``retrain``."""
+    from drpo_openrlhf.demo.bases import provide_base
     from drpo_openrlhf.demo.toy_task import write_jsonl
     from drpo_openrlhf.eval.plot import plot_tradeoff
     from drpo_openrlhf.eval.runner import RunLabel
@@ -436,10 +441,10 @@ def run_demo(config: DemoConfig, output_dir: str | Path, *, progress: bool = Tru
     train_file = write_jsonl(train_problems, out / "data" / "train.jsonl")
     eval_file = write_jsonl(eval_problems, out / "data" / "eval.jsonl")
 
-    models_dir = out / "models"
-    base = train_base(
-        config, models_dir / "init", models_dir / "base", train_problems, progress=progress
-    )
+    base = out / "models" / "base"
+    base_source = provide_base(config, base, retrain=retrain, progress=progress)
+    if progress:
+        print(f"base policy: {base_source} ({base})", flush=True)
     seconds["sft"] = time.perf_counter() - clock
 
     models: list[tuple[Path, Any]] = [(base, RunLabel(name="base", role="base"))]
@@ -468,7 +473,7 @@ def run_demo(config: DemoConfig, output_dir: str | Path, *, progress: bool = Tru
     rows = summary_rows(docs, shapes)
     for row in rows:
         row["correct_pushed_down"] = misled[row["name"]]
-    summary = {"config": asdict(config), "rows": rows, "seconds": seconds}
+    summary = {"config": asdict(config), "base": base_source, "rows": rows, "seconds": seconds}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
@@ -479,6 +484,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="seconds-long smoke version")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0, help="seeds data, SFT, RL, sampling")
+    parser.add_argument(
+        "--train-base",
+        action="store_true",
+        help="train the base policy here (SFT) even where a shipped one fits (seeds 0-2)",
+    )
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     import torch
@@ -487,7 +497,9 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     config = with_seed(DemoConfig.quick() if args.quick else DemoConfig(), args.seed)
     start = time.perf_counter()
-    summary = run_demo(config, args.output_dir, progress=not args.no_progress)
+    summary = run_demo(
+        config, args.output_dir, progress=not args.no_progress, retrain=args.train_base
+    )
     rows = summary["rows"]
     print("\n" + format_table(rows, list(MAIN_COLUMNS)))
     for kinds in (("pass@1", "length"), ("skipped", "rechecks")):
