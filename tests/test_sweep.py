@@ -370,6 +370,60 @@ def test_report_frontier_aes_and_pushed_down(inputs: Path) -> None:
     assert not (sweep.output_dir / "cost.png").exists()
 
 
+def test_a_variant_is_compared_with_its_method_s_curve_at_the_same_length(inputs: Path) -> None:
+    """Per seed, the fixed-lambda runs and DisCO interpolated at the variant's average length
+    (a quarter of the way from lambda 0.1 to 0.5 on seed 0; on seed 1, whose lambda 0.1 did
+    not finish, exactly at lambda 0.5), per panel; outside the curve: a note, no number."""
+    variant = """
+[[methods]]
+method = "drpo"
+grid = { lambda = [0.1, 0.5, "inf"] }
+[[methods]]
+method = "drpo"
+label = "drpo_pass_rate"
+grid = { lambda = [0.1, 0.05] }
+flags = ["--drpo.lambda_by_pass_rate"]
+"""
+    sweep = load_sweep(write_sweep(inputs, variant), "slurm")
+    numbers = {  # run -> (pass@1, length) on the easy and the hard set; average length
+        "drpo-lambda0.1-s0": ((0.9, 20.0), (0.3, 60.0)),  # 40
+        "drpo-lambda0.5-s0": ((0.9, 40.0), (0.4, 80.0)),  # 60
+        "disco-s0": ((0.9, 50.0), (0.45, 90.0)),  # 70
+        "drpo_pass_rate-lambda0.1-s0": ((0.9, 20.0), (0.4, 70.0)),  # 45
+        "drpo_pass_rate-lambda0.05-s0": ((0.8, 20.0), (0.2, 40.0)),  # 30: shorter than all
+        "drpo-lambda0.5-s1": ((0.9, 40.0), (0.4, 80.0)),  # 60
+        "disco-s1": ((0.9, 50.0), (0.5, 90.0)),  # 70
+        "drpo_pass_rate-lambda0.1-s1": ((0.8, 30.0), (0.5, 90.0)),  # 60
+    }
+    for run in sweep.runs:
+        if run.name in numbers:
+            easy, hard = numbers[run.name]
+            doc = result(run.name, run.display, run.param, run.role, {"easy": easy, "hard": hard})
+            path = sweep.run_dir(run) / "eval" / f"{run.name}.json"
+            path.parent.mkdir(parents=True)
+            path.write_text(json.dumps(doc))
+            state.mark_done(sweep.run_dir(run), {"result": str(path), "pushed_down": 0.0})
+    write_report(sweep)
+    report = json.loads((sweep.output_dir / "report.json").read_text())
+    (row,) = report["matched"]
+    assert (row["method"], row["param"], row["seeds"]) == ("drpo_pass_rate", "0.1", [0, 1])
+    panels = row["panels"]
+    # seed 0: at 45 tokens the curve is 3/4 lambda 0.1 + 1/4 lambda 0.5; seed 1: lambda 0.5
+    approx = pytest.approx
+    assert panels["hard"]["pass@1"] == approx({"mean": 0.0875, "min": 0.075, "max": 0.1})
+    assert panels["hard"]["mean_length"] == approx({"mean": 7.5, "min": 5.0, "max": 10.0})
+    assert panels["easy"]["pass@1"] == approx({"mean": -0.05, "min": -0.1, "max": 0.0})
+    assert panels["easy"]["mean_length"] == approx({"mean": -7.5, "min": -10.0, "max": -5.0})
+    assert panels["average"]["mean_length"] == approx({"mean": 0.0, "min": 0.0, "max": 0.0})
+    assert report["matched_notes"] == [
+        "drpo_pass_rate-lambda0.05-s0: average length 30.0 is outside its seed's DRPO curve "
+        "(3 runs): not compared"
+    ]
+    markdown = (sweep.output_dir / "report.md").read_text()
+    line = "| drpo_pass_rate lambda=0.1 | 0,1 | +1.9 (+0.0..+3.8) | +0.0 (+0.0..+0.0) | -5.0 "
+    assert line in markdown
+
+
 def finish_fake_run(sweep, run, pass1: float, logged: tuple | None = None) -> None:
     """A finished run: its drpo-eval result, done marker and (``logged``: steps and
     in-training evaluations) the tensorboard log its training wrote."""

@@ -1,7 +1,8 @@
 """The sweep's one report, from the finished runs: the frontiers (pass@1 against mean length
 per dataset and averaged, one curve per method, seed spread as error bars; drpo-eval's
 figure), the AES table against DisCO of the same seed (drpo-eval's AES rows, then the mean
-and range over seeds), the pushed-down share per run, and what each run cost to train
+and range over seeds), labelled variants against their method's curve at the same length
+(``matched.py``), the pushed-down share per run, and what each run cost to train
 (``cost``: tokens, time and its phases, tokens and time to DisCO's accuracy; accuracy against
 training tokens in ``cost.png``); as PNG, Markdown and JSON."""
 
@@ -19,6 +20,7 @@ from drpo_openrlhf.eval.results import load_results, select_metrics
 from drpo_openrlhf.sweep import state
 from drpo_openrlhf.sweep.cost import cost_entry, cost_markdown, cost_rows, disco_targets, run_cost
 from drpo_openrlhf.sweep.cost_figure import plot_cost
+from drpo_openrlhf.sweep.matched import matched_length_rows
 from drpo_openrlhf.sweep.seed_spread import spread
 from drpo_openrlhf.sweep.spec import Run, Sweep
 
@@ -115,6 +117,36 @@ def _label(row: Mapping) -> str:
     return f"{label} (DisCO)" if row.get("role") == "reference" else label
 
 
+def _matched_markdown(
+    rows: Sequence[Mapping], notes: Sequence[str], panels: Sequence[str]
+) -> list[str]:
+    if not rows and not notes:
+        return []
+    lines = [
+        "",
+        "## Variants against their method's curve at the same length (same seed)",
+        "",
+        "Per seed, the variant minus its method's runs (DisCO included) interpolated at the "
+        "variant's average length; pass@1 in points, length in tokens.",
+        "",
+        "| setting | seeds | " + " | ".join(f"{p} pass@1 | {p} length" for p in panels) + " |",
+        "|---" * (2 + 2 * len(panels)) + "|",
+    ]
+    for row in rows:
+        cells = []
+        for panel in panels:
+            found = row["panels"][panel]
+            cells += [_signed(found["pass@1"], 100), _signed(found["mean_length"])]
+        seeds = ",".join(map(str, row["seeds"]))
+        lines.append(f"| {_label(row)} | {seeds} | " + " | ".join(cells) + " |")
+    return lines + [f"- {note}" for note in notes]
+
+
+def _signed(value: Mapping[str, float], scale: float = 1.0) -> str:
+    mean, low, high = (scale * value[k] for k in ("mean", "min", "max"))
+    return f"{mean:+.1f} ({low:+.1f}..{high:+.1f})"
+
+
 def markdown(report: Mapping[str, Any]) -> str:
     panels = report["panels"]
     lines = [
@@ -161,6 +193,7 @@ def markdown(report: Mapping[str, Any]) -> str:
                 + " |"
             )
     lines += [f"- {note}" for note in report["notes"]]
+    lines += _matched_markdown(report["matched"], report["matched_notes"], panels)
     entries = [run["training_cost"] for run in report["runs"] if run["training_cost"]]
     lines += ["", *cost_markdown(report["cost"], entries, _label)]
     if any(row["tokens"] for row in report["cost"]):
@@ -200,6 +233,8 @@ def build_report(sweep: Sweep) -> dict[str, Any]:
         panels += [d for doc in docs for d in doc["datasets"] if d not in panels]
         panels = list(dict.fromkeys(panels))
     aes, notes = aes_against_disco(docs, seeds, sweep.eval_datasets)
+    finished_runs = [run for run, _ in finished]
+    matched, matched_notes = matched_length_rows(finished_runs, docs, panels, sweep.eval_datasets)
     trained = [run for run, _ in finished if run.trains]
     costs = {
         r.name: run_cost(sweep.run_dir(r) / "tensorboard", sweep.eval_datasets) for r in trained
@@ -243,6 +278,8 @@ def build_report(sweep: Sweep) -> dict[str, Any]:
         "frontier": frontier_rows(docs, seeds, panels, sweep.eval_datasets),
         "aes": aes,
         "notes": notes,
+        "matched": matched,
+        "matched_notes": matched_notes,
         "cost": cost_rows(trained, entries),
         "runs": runs,
         "_docs": docs,
