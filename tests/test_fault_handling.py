@@ -110,6 +110,24 @@ def test_stop_message_names_the_innermost_cause_and_the_checkpoint(tmp_path):
     assert f"Last complete checkpoint: {tmp_path / '_actor' / 'global_step4'}" in message
 
 
+def test_ray_s_host_memory_kill_is_not_called_a_gpu_out_of_memory():
+    """Ray's OutOfMemoryError (its memory monitor, the node's RAM) and torch's (a GPU) share
+    a name; each gets its own hint, also when Ray wraps torch's."""
+    import ray.exceptions
+
+    host = ray.exceptions.OutOfMemoryError("1 worker(s) were killed due to low memory")
+    message = stop_message(host, None)
+    assert message.startswith("the run stopped: a node ran out of host memory")
+    assert "GPU" not in message
+    gpu = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")
+    try:
+        raise gpu
+    except torch.OutOfMemoryError as raised:
+        wrapped = RayTaskError("ppo_train", "traceback", raised)
+    for error in (gpu, wrapped):
+        assert stop_message(error, None).startswith("the run stopped: a GPU ran out of memory")
+
+
 # --- rewards -------------------------------------------------------------------------------
 
 

@@ -35,6 +35,12 @@ HINTS = {
     "PositiveRewardError": "the positive reward (--drpo.positive_reward) failed in a vLLM "
     "engine (docs/positive_rewards.md)",
 }
+# Ray's own OutOfMemoryError (same name as torch's GPU one) is its memory monitor killing a
+# worker because the node's RAM is nearly full: seen with several runs on one CPU machine
+RAY_OOM = (
+    "a node ran out of host memory and Ray's memory monitor killed a worker (fewer runs or "
+    "engines per node, or more RAM; RAY_memory_usage_threshold sets where it kills)"
+)
 
 
 def _files(folder: Path) -> dict[str, int]:
@@ -153,7 +159,8 @@ def stop_message(error: BaseException, ckpt_path: str | None) -> str:
     name = type(cause).__name__
     lines = str(cause).strip().splitlines()
     line = f"{name}: {lines[0]}" if lines else name
-    hint = HINTS.get(name)
+    ray_oom = name == "OutOfMemoryError" and type(cause).__module__.startswith("ray")
+    hint = RAY_OOM if ray_oom else HINTS.get(name)
     text = f"the run stopped: {hint} ({line})" if hint else f"the run stopped: {line}"
     failed_start = start_failure(cause)  # Ray's first line names the actor, not the error
     if failed_start:
