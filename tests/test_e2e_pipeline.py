@@ -144,7 +144,8 @@ def test_drpo_two_ranks_zero2_llama_with_eval_then_resume(toy_llama, ray_address
     first = train(toy, out, *two_ranks, *eval_flags, ray_address=ray_address)
     assert first.returncode == 0, first.output[-3000:]
     logged = assert_drpo_trained(out, toy["base"], steps=2)
-    assert any(tag.startswith("eval/") for tag in logged), sorted(logged)
+    evaluated = {tag: sorted(steps) for tag, steps in logged.items() if tag.startswith("eval/")}
+    assert evaluated and all(s == [1, 2] for s in evaluated.values()), evaluated  # the last too
     # the untied LM head was trained and synced like every other tensor
     trained = load_file(out / "model" / "model.safetensors")
     assert not torch.equal(

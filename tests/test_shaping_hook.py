@@ -162,5 +162,34 @@ def test_max_steps_stops_after_the_checkpoint_of_that_step(monkeypatch, tmp_path
         base, "save_logs_and_checkpoints", lambda self, step, *a: saved_steps.append(step)
     )
     monkeypatch.setattr(base, "fit", fake_fit)
+    trainer.args.eval.steps, trainer.eval_dataloader = float("inf"), None  # no evaluations
     trainer.fit()
     assert saved_steps == [1, 2, 3]
+
+
+@pytest.mark.parametrize(("eval_steps", "evaluated"), [(3, [3]), (2, [2]), (1, [1, 2, 3])])
+def test_max_steps_keeps_the_evaluation_of_its_last_step(
+    monkeypatch, tmp_path, eval_steps, evaluated
+):
+    """OpenRLHF 0.11.2's ``fit`` evaluates a step after its logs and checkpoint: the stop
+    after ``--drpo.max_steps`` waits for that evaluation (and the best-checkpoint check), so
+    a run of 32 steps evaluated every 16 is evaluated at 16 and 32, not at 16 only."""
+    trainer = hand_built_trainer(maker("alp", "group_norm", beta=1e-3), 3, tmp_path)
+    base = OPENRLHF_TRAINER
+    trainer.args.eval.steps, trainer.eval_dataloader = eval_steps, ["an evaluation set"]
+    saved_steps, evaluated_steps = [], []
+
+    def fake_fit(self, global_step=0):  # the order of PPOTrainer.fit's loop body
+        for step in range(1, 10):
+            self.save_logs_and_checkpoints(step, {}, {"global_step": step})
+            if step % self.args.eval.steps == 0 and self.eval_dataloader:
+                evaluated_steps.append(step)
+                self.save_best_checkpoint({"eval_pass1": 0.5}, step, {"global_step": step})
+
+    monkeypatch.setattr(
+        base, "save_logs_and_checkpoints", lambda self, step, *a: saved_steps.append(step)
+    )
+    monkeypatch.setattr(base, "save_best_checkpoint", lambda self, *a: None)
+    monkeypatch.setattr(base, "fit", fake_fit)
+    trainer.fit()
+    assert (saved_steps, evaluated_steps) == ([1, 2, 3], evaluated)

@@ -197,8 +197,9 @@ class StoppableSamplesGenerator(samples_generator.SamplesGenerator):
 class _GroupAwarePPOTrainer(VerifiedSyncTrainer, ppo_trainer.PPOTrainer.__ray_actor_class__):
     """Installs the experience-maker hook: group tags for DRPO, reward shaping for baselines;
     keeps the shaper's state (HAPO's history) in OpenRLHF's checkpoints; stops the run after
-    ``--drpo.max_steps`` rollout steps, or at the next safe point once a stop is requested,
-    with a checkpoint of the last finished step (``graceful_stop``)."""
+    ``--drpo.max_steps`` rollout steps (after that step's evaluation, when one is due), or at
+    the next safe point once a stop is requested, with a checkpoint of the last finished step
+    (``graceful_stop``)."""
 
     def __init__(self, *args, **kwargs):
         if not getattr(samples_generator.SamplingParams, "_drpo_logprobs", False):
@@ -252,6 +253,14 @@ class _GroupAwarePPOTrainer(VerifiedSyncTrainer, ppo_trainer.PPOTrainer.__ray_ac
             raise StopRequested(f"stop requested: saved global_step{global_step}, stopping")
         max_steps = self.args.drpo_run.max_steps
         if max_steps is not None and global_step >= max_steps:
+            if global_step % self.args.eval.steps == 0 and self.eval_dataloader:
+                self._evaluate_then_stop = True  # OpenRLHF evaluates this step after this call
+            else:
+                raise _MaxStepsReached
+
+    def save_best_checkpoint(self, eval_metrics, global_step, client_states=None):
+        super().save_best_checkpoint(eval_metrics, global_step, client_states)
+        if getattr(self, "_evaluate_then_stop", False):  # the last step's evaluation is done
             raise _MaxStepsReached
 
     def ppo_train(self, global_steps: int):
