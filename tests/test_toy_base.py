@@ -146,6 +146,7 @@ def test_train_base_trains_the_configured_model(architecture: str, tmp_path: Pat
     )
     built = AutoConfig.from_pretrained(base)
     assert (built.hidden_size, built.num_hidden_layers) == (config.hidden_size, config.num_layers)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base", "init"]  # no scratch left
     assert built.model_type == architecture
     init = AutoModelForCausalLM.from_pretrained(tmp_path / "init")
     tuned = AutoModelForCausalLM.from_pretrained(base)

@@ -10,6 +10,7 @@ recipe's architecture and chat format (``tiny_model``'s docstring) at the same s
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 from drpo_openrlhf.tiny_model import build_model, build_tiny_model, model_config
@@ -35,10 +36,10 @@ def build_toy_model(
     from transformers import AutoTokenizer, GenerationConfig
 
     output_dir = Path(output_dir)
-    tiny = build_tiny_model(
-        output_dir.parent / f".{output_dir.name}-tokenizer", seed=seed, architecture=architecture
-    )
-    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    with tempfile.TemporaryDirectory() as scratch:  # only its tokenizer and generation config
+        tiny = build_tiny_model(Path(scratch) / "tiny", seed=seed, architecture=architecture)
+        tokenizer = AutoTokenizer.from_pretrained(tiny)
+        generation_config = GenerationConfig.from_pretrained(tiny)
     grouped = architecture == "llama" and num_heads % 2 == 0
     config = model_config(
         tokenizer,
@@ -51,7 +52,7 @@ def build_toy_model(
         max_position_embeddings=512,
     )
     model = build_model(config, seed)
-    model.generation_config = GenerationConfig.from_pretrained(tiny)
+    model.generation_config = generation_config
     model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
     return output_dir
