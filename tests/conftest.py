@@ -11,11 +11,91 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Ray runs its workers at nice 15; the tests' clusters run them at the priority of the test
+# that started them, so that the pipeline's runs keep the CPU from the unit tests' worker
+# (nice 19) under ``make test``'s two workers (PIPELINE_MODULES below)
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 import toy_base
+from drpo_actor_harness import FIXTURE as SHARED_RANKS_FIXTURE
+from drpo_actor_harness import SHARED_RANKS_MODULES
 from stand_ins import install_stand_ins
 
 install_stand_ins()
+
+
+# ``make test`` runs two pytest workers (``-n 2 --dist loadscope``, scheduled by the groups
+# below): the modules that start the real pipeline run one after another on one worker, first,
+# and every other module runs whole (its module fixtures once) on the other worker beside
+# them, at a lower priority. Two pipeline runs side by side gain almost nothing on two cores
+# (each is CPU-bound in its start-up, and two need about 14 of the machine's 24 GB), while
+# unit tests can use what a run's waits leave (docs/status.md, issue 36).
+PIPELINE_MODULES = frozenset(
+    {  # every module with a test marked e2e (checked at collection), and the two Slurm ones
+        "test_e2e_pipeline.py",
+        "test_e2e_positive_reward.py",
+        "test_faults.py",
+        "test_smoke_gpu.py",
+        "test_sweep_e2e.py",
+        "test_weight_places_guard.py",
+        "test_weight_sync_guard.py",
+        "test_slurm_recipes.py",  # one Slurm cluster at a time
+        "test_sweep_slurm.py",
+    }
+)
+PIPELINE_GROUP = "pipeline"
+UNIT_NICENESS = 19  # of the worker beside the pipeline's
+
+
+def xdist_group(path: str) -> str:
+    """The group of a test module (its path in a node id): the pipeline's, the exactness
+    modules' (one spawn of ranks serves them all: ``drpo_actor_harness``) or its own."""
+    name = Path(path).name
+    if name in PIPELINE_MODULES:
+        return PIPELINE_GROUP
+    if name in SHARED_RANKS_MODULES:
+        return SHARED_RANKS_FIXTURE
+    return path
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``--dist loadscope`` by ``xdist_group`` (pytest-xdist's own ``loadgroup`` does not
+    group under pytest 9, whose node ids ignore the suffix it adds)."""
+    if config.getoption("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False  # by size, it would put unit modules first
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group(nodeid.split("::", 1)[0])
+
+    return GroupScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every pipeline test is in a pipeline module and every user of the shared ranks in an
+    exactness module (so that two workers never start both); in a worker, the pipeline's
+    modules come first, so that its worker starts on them at once."""
+    for item in items:
+        name = item.path.name
+        if item.get_closest_marker("e2e") and name not in PIPELINE_MODULES:
+            raise pytest.UsageError(f"{name} runs the pipeline: add it to PIPELINE_MODULES")
+        if SHARED_RANKS_FIXTURE in item.fixturenames and name not in SHARED_RANKS_MODULES:
+            raise pytest.UsageError(f"{name} shares the ranks: add it to SHARED_RANKS_MODULES")
+    if hasattr(config, "workerinput"):
+        items.sort(key=lambda item: item.path.name not in PIPELINE_MODULES)  # stable
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """The worker running unit tests yields the CPU to the pipeline's processes, whose runs
+    are the suite's critical path; the processes its tests start inherit that."""
+    if not hasattr(item.config, "workerinput") or item.path.name in PIPELINE_MODULES:
+        return
+    if os.getpriority(os.PRIO_PROCESS, 0) < UNIT_NICENESS:
+        os.setpriority(os.PRIO_PROCESS, 0, UNIT_NICENESS)
 
 
 @pytest.fixture

@@ -341,6 +341,13 @@ def run_cases(cases: dict[int, list[Case]], out_dirs, prefix: str) -> dict:
 
 
 FIXTURE = "drpo_results"  # the exactness modules' fixture, each returning shared_results
+SHARED_RANKS_MODULES = frozenset(  # the modules with a FIXTURE (tests/conftest.py checks)
+    {
+        "test_drpo_actor_exactness.py",
+        "test_drpo_ring_attn_exactness.py",
+        "test_drpo_tensor_parallel_exactness.py",
+    }
+)
 _shared: dict[tuple[int, Case], dict] = {}  # this test process's results, by (world, case)
 
 
