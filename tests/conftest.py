@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
@@ -22,6 +23,10 @@ from drpo_actor_harness import SHARED_RANKS_MODULES
 from stand_ins import install_stand_ins
 
 install_stand_ins()
+# no per-example time limit: under ``make test``'s two workers the unit tests run at a low
+# priority beside the pipeline's, and a starved example is slow, not wrong
+settings.register_profile("suite", deadline=None)
+settings.load_profile("suite")
 
 
 # ``make test`` runs two pytest workers (``-n 2 --dist loadscope``, scheduled by the groups
