@@ -108,16 +108,23 @@ def wait_for_no_leftovers(seconds: float = 60) -> None:
     assert not leftovers(), f"processes left after the run: {leftovers()}"
 
 
-def assert_drpo_trained(out: Path, base: Path, steps: int) -> dict[str, dict[int, float]]:
-    """What every DRPO run must show: a real update from prompts with both correct and
-    incorrect answers, finite objective and KL, vLLM sampling the actor's weights, the
-    checkpoints and a final model that differs from the base."""
+def assert_drpo_logged(out: Path, steps: int) -> dict[str, dict[int, float]]:
+    """What the logs of every DRPO run's steps 1..``steps`` must show: a real update from
+    prompts with both correct and incorrect answers, finite objective and KL, vLLM sampling
+    the actor's weights."""
     logged = read_scalars(out / "tb")
     assert sorted(logged["train/drpo/objective"]) == list(range(1, steps + 1))
     assert max(logged["train/drpo/valid_prompt_fraction"].values()) > 0
     for tag in ("train/drpo/objective", "train/drpo/kl", "train/drpo/positive_term"):
         assert all(math.isfinite(v) for v in logged[tag].values()), tag
     assert max(logged["train/drpo/rollout_logprob_gap"].values()) < 0.05
+    return logged
+
+
+def assert_drpo_trained(out: Path, base: Path, steps: int) -> dict[str, dict[int, float]]:
+    """What every finished DRPO run must show: its logs (``assert_drpo_logged``), the
+    checkpoints and a final model that differs from the base."""
+    logged = assert_drpo_logged(out, steps)
     assert (out / "ckpt" / "_actor" / f"global_step{steps}").is_dir()
     trained = load_file(out / "model" / "model.safetensors")
     before = load_file(base / "model.safetensors")
