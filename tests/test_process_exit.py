@@ -1,0 +1,61 @@
+"""``exit_now``: the driver's exit keeps what ``sys.exit`` promises (exit handlers, flushed
+output, the status) and drops only the interpreter's teardown."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+PROLOGUE = """
+import atexit, sys, threading, time
+from drpo_openrlhf.integration.process_exit import exit_now
+
+class Teardown:
+    def __del__(self):
+        print("torn down", flush=True)
+
+kept = Teardown()  # a module global: freed only by the interpreter's teardown
+atexit.register(lambda: print("exit handler ran"))
+print("buffered", end="")
+sys.stderr.write("partial line ")
+"""
+
+
+def run(body: str) -> subprocess.CompletedProcess:
+    script = PROLOGUE + textwrap.dedent(body)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # buffered stdout
+    command = [sys.executable, "-c", script]
+    return subprocess.run(command, capture_output=True, text=True, timeout=60, env=env)
+
+
+@pytest.mark.parametrize(("code", "status"), [(0, 0), (None, 0), (3, 3), ("bad flag", 1)])
+def test_exit_handlers_run_output_is_flushed_and_the_status_kept(code, status):
+    done = run(f"exit_now({code!r})")
+    assert done.returncode == status, done.stderr
+    assert done.stdout == "bufferedexit handler ran\n"
+    assert done.stderr == "partial line " + ("bad flag\n" if isinstance(code, str) else "")
+
+
+def test_the_teardown_is_skipped():
+    """The control (``sys.exit``) shows the teardown's work that ``exit_now`` leaves out."""
+    assert "torn down" in run("sys.exit(0)").stdout
+    assert "torn down" not in run("exit_now(0)").stdout
+
+
+def test_a_running_non_daemon_thread_gets_the_ordinary_exit():
+    done = run(
+        """
+        def late():
+            time.sleep(0.5)
+            print("thread finished", flush=True)
+
+        threading.Thread(target=late).start()
+        exit_now(4)
+        """
+    )
+    assert done.returncode == 4
+    assert "thread finished" in done.stdout and "exit handler ran" in done.stdout
