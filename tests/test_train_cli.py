@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_e2e_pipeline import train as run_train
 
 from drpo_openrlhf import train
 
@@ -382,3 +383,30 @@ def test_reward_path_is_relative_inside_a_ray_working_dir_copy(tmp_path, monkeyp
     monkeypatch.setattr(train, "__file__", str(copy / "drpo_openrlhf" / "train.py"))
     monkeypatch.chdir(copy)
     assert train.reward_plugin_path() == "drpo_openrlhf/rewards/math_reward.py"
+
+
+def _bad_inputs(toy, tmp_path: Path) -> list[tuple[list[str], str]]:
+    no_func = tmp_path / "reward_no_func.py"
+    no_func.write_text("def reward(queries, prompts, labels):\n    return {}\n")
+    broken = tmp_path / "reward_broken.py"
+    broken.write_text("def reward_func(queries, prompts, labels:\n")
+    unlabelled = tmp_path / "unlabelled.jsonl"
+    rows = [*toy["train"].read_text().splitlines()[:3], '{"prompt": "Compute 1+1."}']
+    unlabelled.write_text("\n".join(rows) + "\n")
+    return [
+        (["--reward.remote_url", str(no_func)], "defines no top-level reward_func"),
+        (["--reward.remote_url", str(broken)], "syntax error, line 1"),
+        (["--data.prompt_dataset", str(unlabelled)], "row 4: no 'label'"),
+        (["--actor.model_name_or_path", str(tmp_path / "missing")], "no such directory"),
+        (["--ds.zero_stage", "3", "--actor.num_gpus_per_node", "2"], "not supported without"),
+    ]
+
+
+def test_bad_inputs_end_the_run_with_a_clear_error(toy, tmp_path):
+    """Each through ``python -m drpo_openrlhf.train`` as a user starts it: exit status 2 and the
+    reason, before any training process starts. (Its own module's worker: no run gets far
+    enough to need the pipeline modules' one-at-a-time, tests/conftest.py.)"""
+    for flags, message in _bad_inputs(toy, tmp_path):
+        done = run_train(toy, tmp_path / "bad", *flags, ray_address=None)
+        assert done.returncode == 2, (flags, done.output[-2000:])
+        assert message in done.output, (flags, done.output[-2000:])
