@@ -56,9 +56,9 @@ PIPELINE_MODULES = frozenset(
 )
 PIPELINE_GROUP = "pipeline"
 # of the worker beside the pipeline's. A nice-19 process gets about 1.5% of a CPU that a
-# nice-0 process also wants: beside other busy processes (issue 36's flake check: two busy
-# loops) that worker all but stops, and the suite would take hours. DRPO_TEST_UNIT_NICENESS=0
-# runs it at normal priority there.
+# nice-0 process also wants: beside two busy loops (issue 36's flake check) that worker had
+# 20 CPU-s in its first 260 s, too little to finish in hours. DRPO_TEST_UNIT_NICENESS=0 runs
+# it at normal priority on a machine with other load.
 UNIT_NICENESS = int(os.environ.get("DRPO_TEST_UNIT_NICENESS", "19"))
 
 
