@@ -1,8 +1,10 @@
 """Shared test set-up: offline, deterministic, no torch.compile."""
 
+import functools
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -42,7 +44,8 @@ settings.load_profile("suite")
 # (each is CPU-bound in its start-up, and two need about 14 of the machine's 24 GB), while
 # unit tests can use what a run's waits leave (docs/status.md, issue 36).
 PIPELINE_MODULES = frozenset(
-    {  # every module with a test marked e2e (checked at collection), and the two Slurm ones
+    {  # every module with a test marked e2e or a local Ray cluster (both checked at
+        # collection), and the two Slurm ones
         "test_e2e_pipeline.py",
         "test_e2e_positive_reward.py",
         "test_faults.py",
@@ -52,13 +55,16 @@ PIPELINE_MODULES = frozenset(
         "test_weight_sync_guard.py",
         "test_slurm_recipes.py",  # one Slurm cluster at a time
         "test_sweep_slurm.py",
+        "test_ray_actors.py",
+        "test_device_mode.py",
     }
 )
 PIPELINE_GROUP = "pipeline"
-# of the worker beside the pipeline's. A nice-19 process gets about 1.5% of a CPU that a
-# nice-0 process also wants: beside two busy loops (issue 36's flake check) that worker had
-# 20 CPU-s in its first 260 s, too little to finish in hours. DRPO_TEST_UNIT_NICENESS=0 runs
-# it at normal priority on a machine with other load.
+RAY_CLUSTER_FIXTURE = "fake_gpu_ray"
+# The niceness of the worker beside the pipeline's. A nice-19 process gets about 1.5% of a
+# CPU that a nice-0 process also wants: beside two busy loops (issue 36's flake check) that
+# worker had 20 CPU-s in its first 260 s, too little to finish in hours.
+# DRPO_TEST_UNIT_NICENESS=0 runs it at normal priority on a machine with other load.
 UNIT_NICENESS = int(os.environ.get("DRPO_TEST_UNIT_NICENESS", "19"))
 
 
@@ -98,10 +104,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         name = item.path.name
         if item.get_closest_marker("e2e") and name not in PIPELINE_MODULES:
             raise pytest.UsageError(f"{name} runs the pipeline: add it to PIPELINE_MODULES")
+        if name not in PIPELINE_MODULES and _starts_ray(item):
+            # Ray gives a new node 30 s to register (a constant in ray/_private/node.py); at
+            # nice 19 beside a pipeline run its GCS and raylet took longer (a CI failure)
+            raise pytest.UsageError(f"{name} starts a Ray cluster: add it to PIPELINE_MODULES")
         if SHARED_RANKS_FIXTURE in item.fixturenames and name not in SHARED_RANKS_MODULES:
             raise pytest.UsageError(f"{name} shares the ranks: add it to SHARED_RANKS_MODULES")
     if hasattr(config, "workerinput"):
         items.sort(key=lambda item: item.path.name not in PIPELINE_MODULES)  # stable
+
+
+def _starts_ray(item: pytest.Item) -> bool:
+    """Whether a test uses the shared Ray cluster or its module calls ``ray.init`` itself."""
+    return RAY_CLUSTER_FIXTURE in item.fixturenames or _calls_ray_init(item.path)
+
+
+@functools.cache
+def _calls_ray_init(path: Path) -> bool:
+    return "ray.init(" in path.read_text()
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
@@ -136,6 +156,31 @@ def _toy(root: Path, architecture: str) -> dict[str, Path]:
         "train": write_jsonl(train_problems, root / "train.jsonl"),
         "eval": write_jsonl(eval_problems[:16], root / "eval.jsonl"),
     }
+
+
+@pytest.fixture(scope="module")
+def fake_gpu_ray() -> Iterator[str]:
+    """A local Ray cluster advertising two GPUs on this GPU-less machine, as the tests, the
+    demo and the Slurm fixture start them, with this process as its driver; yields its
+    address. Its workers import OpenRLHF, hence vLLM and flash-attn: stand-ins on CPU."""
+    import ray
+
+    pythonpath = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
+    context = ray.init(
+        address="local",  # a new cluster, never one a Ray address file on this machine names
+        num_cpus=2,
+        num_gpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={
+            "worker_process_setup_hook": "stand_ins.install_stand_ins",
+            "env_vars": {"PYTHONPATH": pythonpath, "TORCHDYNAMO_DISABLE": "1"},
+        },
+    )
+    try:
+        yield context.address_info["address"]
+    finally:
+        ray.shutdown()
 
 
 @pytest.fixture(scope="session")

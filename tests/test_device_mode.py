@@ -58,30 +58,15 @@ PROBE = (
 )
 
 
-@pytest.fixture(scope="module")
-def fake_gpu_cluster():
-    """A local Ray cluster advertising two GPUs on this GPU-less machine, as the tests, the
-    demo and the Slurm fixture start them; yields its address."""
-    import ray
-
-    context = ray.init(
-        address="local", num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False
-    )
-    try:
-        yield context.address_info["address"]
-    finally:
-        ray.shutdown()
-
-
 def _env(address: str) -> dict[str, str]:
     return {**os.environ, "RAY_ADDRESS": address}
 
 
 @pytest.mark.slow
-def test_probe_asks_a_process_holding_a_gpu(fake_gpu_cluster):
+def test_probe_asks_a_process_holding_a_gpu(fake_gpu_ray):
     done = subprocess.run(
         [sys.executable, "-c", PROBE],
-        env=_env(fake_gpu_cluster),
+        env=_env(fake_gpu_ray),
         capture_output=True,
         text=True,
         timeout=180,
@@ -89,12 +74,12 @@ def test_probe_asks_a_process_holding_a_gpu(fake_gpu_cluster):
     assert done.returncode == 0, done.stderr[-2000:]
     found = ClusterDevices(**json.loads(done.stdout.strip().splitlines()[-1]))
     assert found.gpus == 2.0 and found.worker_cuda is False
-    assert found.address and found.address.endswith(fake_gpu_cluster.rsplit(":", 1)[-1])
+    assert found.address and found.address.endswith(fake_gpu_ray.rsplit(":", 1)[-1])
     assert choose_mode("auto", found)[0] == "cpu"
 
 
 @pytest.mark.slow
-def test_gpu_requested_of_fake_gpus_stops_before_anything_starts(fake_gpu_cluster, tmp_path):
+def test_gpu_requested_of_fake_gpus_stops_before_anything_starts(fake_gpu_ray, tmp_path):
     model = build_tiny_model(tmp_path / "model")
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({"prompt": "1+1=?", "label": "2"}) + "\n")
@@ -110,7 +95,7 @@ def test_gpu_requested_of_fake_gpus_stops_before_anything_starts(fake_gpu_cluste
         *("--drpo.device", "gpu"),
     ]
     done = subprocess.run(
-        command, env=_env(fake_gpu_cluster), capture_output=True, text=True, timeout=180
+        command, env=_env(fake_gpu_ray), capture_output=True, text=True, timeout=180
     )
     assert done.returncode == 2, done.stderr[-3000:]
     assert "--drpo.device gpu, but a process holding one of the cluster's 2 GPUs" in done.stderr
