@@ -46,16 +46,26 @@ def test_the_teardown_is_skipped():
     assert "torn down" not in run("exit_now(0)").stdout
 
 
-def test_a_running_non_daemon_thread_gets_the_ordinary_exit():
+def test_running_threads_are_waited_for_first_and_still_no_teardown():
+    """As at any exit: a non-daemon thread is joined and an executor's queued work done (its
+    idle worker threads, which a Ray actor's event loop leaves, let it end) before the exit
+    handlers; then no teardown."""
     done = run(
         """
-        def late():
-            time.sleep(0.5)
-            print("thread finished", flush=True)
+        from concurrent.futures import ThreadPoolExecutor
 
-        threading.Thread(target=late).start()
+        def late(what):
+            time.sleep(0.5)
+            print(what, "finished", flush=True)
+
+        threading.Thread(target=late, args=("thread",)).start()
+        pool = ThreadPoolExecutor(2)
+        pool.submit(late, "queued job")
+        atexit.register(lambda: print("handler after the threads:", threading.active_count()))
         exit_now(4)
         """
     )
-    assert done.returncode == 4
-    assert "thread finished" in done.stdout and "exit handler ran" in done.stdout
+    assert done.returncode == 4, done.stderr
+    assert "thread finished" in done.stdout and "queued job finished" in done.stdout
+    assert "handler after the threads: 1\n" in done.stdout and "exit handler ran" in done.stdout
+    assert "torn down" not in done.stdout

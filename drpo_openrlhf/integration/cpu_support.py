@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from drpo_openrlhf.integration.process_exit import end_workers_without_teardown
+
 logger = logging.getLogger(__name__)
 
 SYNC_TIMEOUT = timedelta(minutes=10)
@@ -152,4 +154,5 @@ def enable() -> None:
     except ImportError:  # a Ray worker that never imports OpenRLHF (e.g. the job supervisor)
         torch.cuda._drpo_cpu_support = False
         raise
+    end_workers_without_teardown()
     logger.info("no CUDA device: OpenRLHF runs on CPU (drpo_openrlhf.integration.cpu_support)")

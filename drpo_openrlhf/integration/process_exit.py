@@ -1,4 +1,4 @@
-"""The driver's exit, without the interpreter's teardown.
+"""The driver's and the Ray workers' exit, without the interpreter's teardown.
 
 ``python -m drpo_openrlhf.train`` imports torch, DeepSpeed, transformers, vLLM and OpenRLHF.
 When it returns, the interpreter's teardown garbage-collects all their objects, module by
@@ -6,11 +6,16 @@ module: 4 s of a 40-s toy run on 2 cores (measured with py-spy in ``gc_collect_m
 process that is ending anyway, paid by every run of the test suite (issue 36). Freezing the
 objects instead (``gc.freeze``) skips the walk but leaves triton's nanobind objects alive at
 its own check, which then prints some 70 lines of "leaked" warnings.
+
+The run's Ray actors (trainer, policy, vLLM engine) hold the same libraries and tore down
+for another 2-3 s after the driver had ended (py-spy: no Python frame, the GIL held), each
+time the tests waited for them to go; ``end_workers_without_teardown`` ends them the same way.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import sys
 import threading
@@ -18,17 +23,37 @@ from typing import NoReturn
 
 
 def exit_now(code: int | str | None) -> NoReturn:
-    """End the process as ``sys.exit(code)`` would: the exit handlers run (Ray's shutdown,
-    logging's flush), the standard streams are flushed, a string is printed to stderr with
-    status 1; then the process ends without the teardown. Where a non-daemon thread is still
-    running, which the teardown would wait for, it is the ordinary ``sys.exit``."""
-    others = [t for t in threading.enumerate() if t is not threading.main_thread()]
-    if any(not t.daemon for t in others):
-        sys.exit(code)
+    """End the process as ``sys.exit(code)`` would, in the interpreter's own order (a string
+    printed to stderr with status 1; the non-daemon threads waited for, as
+    ``threading._shutdown`` does first at any exit; the exit handlers, e.g. Ray's shutdown and
+    logging's flush; the standard streams flushed), then without the teardown."""
     if isinstance(code, str):
         print(code, file=sys.stderr)
         code = 1
+    threading._shutdown()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code or 0)
+
+
+def end_workers_without_teardown() -> None:
+    """Make this process, a Ray worker, end through ``exit_now`` once its task loop ends: Ray's
+    ``Worker.main_loop`` (``ray/_private/worker.py``, Ray 2.55) then calls ``sys.exit(0)``, or
+    its SIGTERM handler raises ``SystemExit(1)``, and both reach the wrapper. Idempotent."""
+    from ray._private.worker import Worker
+
+    main_loop = Worker.main_loop
+    if getattr(main_loop, "_drpo_exit_now", False):
+        return
+
+    @functools.wraps(main_loop)
+    def main_loop_then_exit_now(self) -> NoReturn:
+        try:
+            main_loop(self)
+        except SystemExit as end:
+            exit_now(end.code)
+        raise AssertionError("Ray's Worker.main_loop returned without SystemExit")
+
+    main_loop_then_exit_now._drpo_exit_now = True
+    Worker.main_loop = main_loop_then_exit_now
