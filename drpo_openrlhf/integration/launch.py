@@ -43,6 +43,10 @@ def with_rollout_logprobs(create_vllm_engines):
     return create
 
 
+# every worker of a CPU run calls it first: the CPU patches, and the exit without teardown
+CPU_WORKER_SETUP_HOOK = "drpo_openrlhf.integration.cpu_support.enable"
+
+
 def init_cpu_ray(args: dict, address: str | None) -> None:
     """Ray for a run without a GPU (``args``: OpenRLHF's flat flags): every worker process
     installs ``cpu_support`` first. Joins the cluster at ``address``; with none, a local one
@@ -52,7 +56,7 @@ def init_cpu_ray(args: dict, address: str | None) -> None:
 
     runtime_env = {
         "env_vars": {k: os.environ.get(k, v) for k, v in RAY_ENV_VARS.items()},
-        "worker_process_setup_hook": "drpo_openrlhf.integration.cpu_support.enable",
+        "worker_process_setup_hook": CPU_WORKER_SETUP_HOOK,
     }
     if address:
         ray.init(address=address, runtime_env=runtime_env)
