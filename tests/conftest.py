@@ -38,14 +38,16 @@ settings.load_profile("suite")
 
 
 # ``make test`` runs two pytest workers (``-n 2 --dist loadscope``, scheduled by the groups
-# below): the modules that start the real pipeline run one after another on one worker, first,
-# and every other module runs whole (its module fixtures once) on the other worker beside
-# them, at a lower priority. Two pipeline runs side by side gain almost nothing on two cores
-# (each is CPU-bound in its start-up, and two need about 14 of the machine's 24 GB), while
-# unit tests can use what a run's waits leave (docs/status.md, issue 36).
+# below): the modules that start the real pipeline run one after another on one worker, first;
+# the Slurm modules start at once on the other worker, at the same priority, whose jobs spend
+# much of their time waiting (Ray's head starting, submissions, polls); then every other
+# module runs whole (its module fixtures once) on whichever worker is free, at a lower
+# priority. Two pipeline runs side by side gain almost nothing on two cores (each is CPU-bound
+# in its start-up, and two need about 14 of the machine's 24 GB), while unit tests can use
+# what a run's waits leave (docs/status.md, issue 36).
 PIPELINE_MODULES = frozenset(
     {  # every module with a test marked e2e or a local Ray cluster (both checked at
-        # collection), and the two Slurm ones
+        # collection) but the Slurm ones
         "test_e2e_pipeline.py",
         "test_e2e_positive_reward.py",
         "test_faults.py",
@@ -53,13 +55,14 @@ PIPELINE_MODULES = frozenset(
         "test_sweep_e2e.py",
         "test_weight_places_guard.py",
         "test_weight_sync_guard.py",
-        "test_slurm_recipes.py",  # one Slurm cluster at a time
-        "test_sweep_slurm.py",
         "test_ray_actors.py",
         "test_device_mode.py",
     }
 )
-PIPELINE_GROUP = "pipeline"
+SLURM_MODULES = frozenset({"test_slurm_recipes.py", "test_sweep_slurm.py"})  # one cluster at a time
+# the modules whose timing bounds need the CPU share of a normal priority
+NORMAL_PRIORITY_MODULES = PIPELINE_MODULES | SLURM_MODULES
+PIPELINE_GROUP, SLURM_GROUP = "pipeline", "slurm"
 RAY_CLUSTER_FIXTURE = "fake_gpu_ray"
 # The niceness of the worker beside the pipeline's. A nice-19 process gets about 1.5% of a
 # CPU that a nice-0 process also wants: beside two busy loops (issue 36's flake check) that
@@ -74,6 +77,8 @@ def xdist_group(path: str) -> str:
     name = Path(path).name
     if name in PIPELINE_MODULES:
         return PIPELINE_GROUP
+    if name in SLURM_MODULES:
+        return SLURM_GROUP
     if name in SHARED_RANKS_MODULES:
         return SHARED_RANKS_FIXTURE
     return path
@@ -99,19 +104,26 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Every pipeline test is in a pipeline module and every user of the shared ranks in an
     exactness module (so that two workers never start both); in a worker, the pipeline's
-    modules come first, so that its worker starts on them at once."""
+    and the Slurm modules come first (``_start_order``)."""
     for item in items:
         name = item.path.name
-        if item.get_closest_marker("e2e") and name not in PIPELINE_MODULES:
+        if item.get_closest_marker("e2e") and name not in NORMAL_PRIORITY_MODULES:
             raise pytest.UsageError(f"{name} runs the pipeline: add it to PIPELINE_MODULES")
-        if name not in PIPELINE_MODULES and _starts_ray(item):
+        if name not in NORMAL_PRIORITY_MODULES and _starts_ray(item):
             # Ray gives a new node 30 s to register (a constant in ray/_private/node.py); at
             # nice 19 beside a pipeline run its GCS and raylet took longer (a CI failure)
             raise pytest.UsageError(f"{name} starts a Ray cluster: add it to PIPELINE_MODULES")
         if SHARED_RANKS_FIXTURE in item.fixturenames and name not in SHARED_RANKS_MODULES:
             raise pytest.UsageError(f"{name} shares the ranks: add it to SHARED_RANKS_MODULES")
     if hasattr(config, "workerinput"):
-        items.sort(key=lambda item: item.path.name not in PIPELINE_MODULES)  # stable
+        items.sort(key=_start_order)  # stable
+
+
+def _start_order(item: pytest.Item) -> int:
+    """The pipeline's group first and the Slurm group second in the collection, hence in the
+    scheduler's queue (``loadscopereorder`` off): the two workers start with one each."""
+    name = item.path.name
+    return 0 if name in PIPELINE_MODULES else 1 if name in SLURM_MODULES else 2
 
 
 def _starts_ray(item: pytest.Item) -> bool:
@@ -125,9 +137,10 @@ def _calls_ray_init(path: Path) -> bool:
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """The worker running unit tests yields the CPU to the pipeline's processes, whose runs
-    are the suite's critical path; the processes its tests start inherit that."""
-    if not hasattr(item.config, "workerinput") or item.path.name in PIPELINE_MODULES:
+    """A worker yields the CPU to the pipeline's and the Slurm tests' processes once it runs
+    unit tests: their runs are the suite's critical path (a worker never returns to those
+    groups, which come first); the processes its tests start inherit that."""
+    if not hasattr(item.config, "workerinput") or item.path.name in NORMAL_PRIORITY_MODULES:
         return
     if os.getpriority(os.PRIO_PROCESS, 0) < UNIT_NICENESS:
         os.setpriority(os.PRIO_PROCESS, 0, UNIT_NICENESS)
