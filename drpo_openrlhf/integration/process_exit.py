@@ -48,12 +48,11 @@ def end_workers_without_teardown() -> None:
         return
 
     @functools.wraps(main_loop)
-    def main_loop_then_exit_now(self) -> NoReturn:
+    def main_loop_then_exit_now(self) -> None:
         try:
             main_loop(self)
         except SystemExit as end:
             exit_now(end.code)
-        raise AssertionError("Ray's Worker.main_loop returned without SystemExit")
 
     main_loop_then_exit_now._drpo_exit_now = True
     Worker.main_loop = main_loop_then_exit_now
