@@ -1,4 +1,5 @@
-"""The DRPO Ray actor classes start as real Ray actors (local cluster, fake GPU resources)."""
+"""The DRPO Ray actor classes start as real Ray actors, and a CPU run's workers end without the
+interpreter's teardown (local cluster, fake GPU resources)."""
 
 import json
 import os
@@ -73,7 +74,8 @@ def actor_exit_marks(address: str, tmp_path, hook: str | None) -> set[str]:
     marks = tmp_path / "marks"
     marks.mkdir(parents=True)
     (tmp_path / "exit_marks.py").write_text(EXIT_MARKS)
-    env = {"PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}", "EXIT_MARKS": str(marks)}
+    pythonpath = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    env = {"PYTHONPATH": pythonpath, "EXIT_MARKS": str(marks)}
     runtime_env = {"env_vars": env} | ({"worker_process_setup_hook": hook} if hook else {})
     done = subprocess.run(
         [sys.executable, "-c", DRIVER, address, json.dumps(runtime_env)],
