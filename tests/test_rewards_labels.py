@@ -143,6 +143,12 @@ CASES = {
         ("u = v = 0", "1", False),
         ("g(t) = 5t - 1", "5t+1", False),
         ("3^{4} = 81", "82", False),
+        # a number on the left states what the right side equals: not an answer alone
+        ("7 = 11a+c", "11a+c", False),
+        ("7 = 11a+c", "11a+c = 7", True),
+        ("x = 11a+c", "11a+c", True),  # a variable on the left: its value
+        ("x = 5+5+1 = 11", "11", True),
+        ("12 = 3 \\cdot 4", "3 \\cdot 4", True),  # arithmetic on both sides
     ],
     "systems of equations": [
         ("\\begin{cases} 2a+b=7 \\\\ a-b=2 \\end{cases}", "2a+b=7, a-b=2", True),

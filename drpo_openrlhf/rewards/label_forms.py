@@ -331,7 +331,9 @@ def value_forms(form: str) -> list[str]:
     """What a (canonical) label also accepts alone when the answer is not an equation: the
     value of ``name = value`` or of a chain ``a = b = 0``, when every left side is a bare name
     (``y``, ``X_{d}``, ``\\lambda``, ``f(x)``) or arithmetic (``2^{10} = 1024``), and the
-    interval of ``t(0,4]``."""
+    interval of ``t(0,4]``. After an arithmetic side the value must be arithmetic too: the
+    label then states a computation's result, so ``7 = 11a+c`` does not make ``11a+c``
+    (the expression the computation equals) an answer."""
     interval = _NAMED_INTERVAL.fullmatch(form)
     if interval and ("[" in form or "]" in form):  # "P(0,4)" is a point, "f(1,2)" a value
         return [interval.group(1)]
@@ -340,9 +342,12 @@ def value_forms(form: str) -> list[str]:
     *sides, value = (side.strip() for side in _top_level(form, "="))
     if not sides or not value or _RELATION.search(form):
         return []
-    if all(_NAME.fullmatch(side) or _ARITHMETIC.fullmatch(side) for side in sides):
-        return [canonical(value)]
-    return []
+    arithmetic = [side for side in sides if not _NAME.fullmatch(side)]
+    if not all(_ARITHMETIC.fullmatch(side) for side in arithmetic):
+        return []
+    if arithmetic and not _ARITHMETIC.fullmatch(value):
+        return []
+    return [canonical(value)]
 
 
 def gold_parts(label: object) -> tuple[list[str], list[str], list[str]]:
