@@ -20,11 +20,12 @@ from drpo_openrlhf.algo.config import KL_ESTIMATES, PENALTY_FORMS
 from drpo_openrlhf.algo.length_reward import LENGTH_REWARDS
 from drpo_openrlhf.algo.shaper import GroupRewardShaper
 from drpo_openrlhf.algo.shaping import METHODS
-from drpo_openrlhf.integration import memory_plan, openrlhf_flags, preflight
+from drpo_openrlhf.integration import memory_plan, openrlhf_flags, preflight, signal_watch
 from drpo_openrlhf.integration.checkpoints import innermost, prepare_resume, stop_message
 from drpo_openrlhf.integration.device import DEVICES
 from drpo_openrlhf.integration.graceful_stop import StopRequested, clear_stale_request
 from drpo_openrlhf.integration.layout import Layout, data_parallel_size
+from drpo_openrlhf.integration.signal_watch import NoLearningSignalError
 from drpo_openrlhf.integration.tokenizer_check import check_tokenizer
 from drpo_openrlhf.openrlhf_cli import check_openrlhf_validation, openrlhf_parser
 from drpo_openrlhf.rewards import positive_reward
@@ -163,6 +164,16 @@ def add_drpo_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="stop after this many rollout steps, then save the final model as usual "
         "(OpenRLHF 0.11.2 only counts episodes); applies to baselines too",
+    )
+    g.add_argument(
+        "--drpo.max_steps_without_signal",
+        type=int,
+        default=signal_watch.DEFAULT_LIMIT,
+        metavar="K",
+        help="stop the run, before the update, after K rollouts in a row in which no prompt "
+        "group can teach the update anything (all wrong, all correct: each step's line says "
+        "why and what to change); 0: never stop; applies to baselines too (default "
+        "%(default)s; docs/reliability.md)",
     )
     g.add_argument(
         "--drpo.max_logprob_gap",
@@ -411,10 +422,14 @@ def parse(argv: list[str]) -> tuple[DRPOConfig, SimpleNamespace, list[str]]:
     max_steps = getattr(args, "drpo.max_steps")
     if max_steps is not None and max_steps < 1:
         parser.error(f"--drpo.max_steps must be >= 1, got {max_steps}")
+    without_signal = getattr(args, "drpo.max_steps_without_signal")
+    if without_signal < 0:
+        parser.error(f"--drpo.max_steps_without_signal must be >= 0, got {without_signal}")
     run = SimpleNamespace(
         method=method,
         params=getattr(args, "shaping.params"),
         max_steps=max_steps,
+        max_steps_without_signal=without_signal,
         max_logprob_gap=getattr(args, "drpo.max_logprob_gap"),
         device=getattr(args, "drpo.device"),
         verify_weight_sync=getattr(args, "drpo.verify_weight_sync"),
@@ -466,7 +481,8 @@ def main(argv: list[str] | None = None) -> None:
         if isinstance(innermost(error), StopRequested):  # the step is saved: a clean end
             print(f"drpo_openrlhf: {innermost(error)}", flush=True)
             return
-        traceback.print_exc()
+        if not isinstance(innermost(error), NoLearningSignalError):  # a diagnosis, not a crash
+            traceback.print_exc()
         message = stop_message(error, run.ckpt_path)
         print(f"drpo_openrlhf: {message}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None

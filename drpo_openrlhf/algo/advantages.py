@@ -21,6 +21,13 @@ def _finite_floats(values: Iterable[float], what: str) -> list[float]:
     return out
 
 
+def has_relative_signal(rewards: Iterable[float]) -> bool:
+    """Whether one prompt's rewards give any response a non-zero advantage under either
+    estimator: they are not all equal (a lone response has no other to compare with)."""
+    r = _finite_floats(rewards, "rewards")
+    return bool(r) and max(r) != min(r)
+
+
 def group_advantages(rewards: Iterable[float], estimator: str) -> list[float]:
     """Advantages of one prompt's group of responses.
 
@@ -35,15 +42,13 @@ def group_advantages(rewards: Iterable[float], estimator: str) -> list[float]:
     n = len(r)
     if n == 0:
         raise ValueError("a group needs at least one reward")
+    # Equal rewards give std = 0 exactly in exact arithmetic; testing for them first avoids
+    # dividing rounding noise (e.g. mean(0.1, 0.1, 0.1) != 0.1) by a tiny std.
+    if not has_relative_signal(r):
+        return [0.0] * n
     total = math.fsum(r)
     if estimator == "rloo":
-        if n == 1:
-            return [0.0]
         return [(n * x - total) / (n - 1) for x in r]
-    # Equal rewards give std = 0 exactly in exact arithmetic; testing max == min avoids
-    # dividing rounding noise (e.g. mean(0.1, 0.1, 0.1) != 0.1) by a tiny std.
-    if max(r) == min(r):
-        return [0.0] * n
     # Scaled by the largest deviation so that tiny or huge spreads neither under- nor overflow.
     dev = [x - total / n for x in r]
     scale = max(abs(d) for d in dev)

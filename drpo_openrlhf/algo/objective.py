@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from drpo_openrlhf.algo.groups import dense_group_index, segment_logsumexp, segment_sum
+from drpo_openrlhf.algo.learnable import group_has_signal
 from drpo_openrlhf.algo.weights import pass_rate_lambda, positive_log_weights
 
 
@@ -77,13 +78,18 @@ def drpo_objective(
     negative = tau * torch.where(has_neg, lse - log_n_neg, 0.0)
 
     valid = has_pos & has_neg
-    per_group = torch.where(valid, positive - negative, 0.0)
-    if keep_all_wrong:
-        per_group = torch.where(~has_pos & has_neg, -negative, per_group)
-    if all_correct_length_signal:
-        centred = (w - torch.where(correct, 1.0 / n_pos.clamp(min=1.0)[index], 0.0)) * scores
-        easy = segment_sum(centred, index, num_groups)
-        per_group = torch.where(has_pos & ~has_neg, easy, per_group)
+    # each kind of group's term: a mixed group's, an all-wrong group's negative term, an
+    # all-correct group's zero-mean length signal; ``group_has_signal`` says which count
+    centred = (w - torch.where(correct, 1.0 / n_pos.clamp(min=1.0)[index], 0.0)) * scores
+    easy = segment_sum(centred, index, num_groups)
+    term = torch.where(valid, positive - negative, torch.where(has_pos, easy, -negative))
+    counted = group_has_signal(
+        has_pos,
+        has_neg,
+        keep_all_wrong=keep_all_wrong,
+        all_correct_length_signal=all_correct_length_signal,
+    )
+    per_group = torch.where(counted, term, 0.0)
 
     entropy = -segment_sum(torch.where(correct, w * log_w, 0.0), index, num_groups)
     with torch.no_grad():

@@ -168,7 +168,8 @@ def stop_message(error: BaseException, ckpt_path: str | None) -> str:
     checkpoint = last_checkpoint(ckpt_path)
     if checkpoint is None:
         return text + ". No complete checkpoint: a rerun starts from the beginning."
-    return (
-        f"{text}. Last complete checkpoint: {checkpoint}; rerun the same command with "
-        "--ckpt.load_enable to resume from it."
+    # a cause that the same command would meet again says what to rerun with instead
+    advice = getattr(
+        cause, "resume_advice", "rerun the same command with --ckpt.load_enable to resume from it"
     )
+    return f"{text}. Last complete checkpoint: {checkpoint}; {advice}."

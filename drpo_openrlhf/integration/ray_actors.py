@@ -40,6 +40,11 @@ from drpo_openrlhf.integration.graceful_stop import (
 from drpo_openrlhf.integration.positive_engine import PositiveRewardEngine
 from drpo_openrlhf.integration.reward_guard import guard_engine_rewards
 from drpo_openrlhf.integration.shaping import ShapingExperienceMaker, advantage_signal_stats
+from drpo_openrlhf.integration.signal_watch import (
+    NoLearningSignalError,
+    SignalWatch,
+    rollout_signal,
+)
 from drpo_openrlhf.integration.sync_check import (
     SentDigestsActor,
     SyncReportingEngine,
@@ -196,10 +201,11 @@ class StoppableSamplesGenerator(samples_generator.SamplesGenerator):
 
 class _GroupAwarePPOTrainer(VerifiedSyncTrainer, ppo_trainer.PPOTrainer.__ray_actor_class__):
     """Installs the experience-maker hook: group tags for DRPO, reward shaping for baselines;
-    keeps the shaper's state (HAPO's history) in OpenRLHF's checkpoints; stops the run after
-    ``--drpo.max_steps`` rollout steps (after that step's evaluation, when one is due), or at
-    the next safe point once a stop is requested, with a checkpoint of the last finished step
-    (``graceful_stop``)."""
+    keeps the shaper's state (HAPO's history) in OpenRLHF's checkpoints; prints each rollout's
+    step line and stops a run without a learning signal before its update (``signal_watch``);
+    stops the run after ``--drpo.max_steps`` rollout steps (after that step's evaluation, when
+    one is due), or at the next safe point once a stop is requested, with a checkpoint of the
+    last finished step (``graceful_stop``)."""
 
     def __init__(self, *args, **kwargs):
         if not getattr(samples_generator.SamplingParams, "_drpo_logprobs", False):
@@ -210,6 +216,7 @@ class _GroupAwarePPOTrainer(VerifiedSyncTrainer, ppo_trainer.PPOTrainer.__ray_ac
         super().__init__(*args, **kwargs)
         run = self.args.drpo_run
         self._gap_limit = GapLimit(run.max_logprob_gap, run.verify_weight_sync)
+        self._signal_watch = SignalWatch(run.max_steps_without_signal)
         if run.method:
             self.experience_maker.__class__ = ShapingExperienceMaker
             self.experience_maker.shaper = GroupRewardShaper(
@@ -228,12 +235,32 @@ class _GroupAwarePPOTrainer(VerifiedSyncTrainer, ppo_trainer.PPOTrainer.__ray_ac
     def _shaper(self) -> GroupRewardShaper | None:
         return getattr(self.experience_maker, "shaper", None)
 
+    def train_step(self, rollout_samples, global_step: int):
+        self._rollout_step = global_step + 1  # the step this rollout's update will make
+        return super().train_step(rollout_samples, global_step)
+
     def _compute_rollout_stats(self, experiences):
         stats = super()._compute_rollout_stats(experiences)
         stats.update(rollout_logprob_stats(experiences, self._gap_limit))
         if self._shaper is not None:
             stats.update(advantage_signal_stats(experiences))
+        stats.update(self._watch_signal(experiences))
         return stats
+
+    def _watch_signal(self, experiences) -> dict[str, float]:
+        """Print the rollout's step line; stop the run, before the update, once too many
+        rollouts in a row had nothing to learn from (``signal_watch``)."""
+        config = None if self._shaper is not None else DRPOConfig(**vars(self.args.drpo))
+        rollout = rollout_signal(
+            experiences,
+            config,
+            self.args.rollout.n_samples_per_prompt,
+            self.args.algo.advantage.estimator,
+        )
+        line = self._signal_watch.observe(getattr(self, "_rollout_step", 0), rollout)
+        print(f"drpo_openrlhf: {line}", flush=True)  # a Ray actor logs no INFO
+        self._signal_watch.check()
+        return self._signal_watch.stats()
 
     def save_logs_and_checkpoints(self, global_step, logs_dict=None, client_states=None):
         if self._shaper is not None:
@@ -290,7 +317,7 @@ class _GroupAwarePPOTrainer(VerifiedSyncTrainer, ppo_trainer.PPOTrainer.__ray_ac
         except _MaxStepsReached:
             logger.info("stopping after --drpo.max_steps=%d steps", self.args.drpo_run.max_steps)
             self._close_trackers()
-        except StopRequested:  # the driver ends the run on it, without OpenRLHF's final save
+        except (StopRequested, NoLearningSignalError):  # the driver ends the run on them
             self._close_trackers()
             raise
         except (StopBeforeUpdate, TaskCancelledError) as error:
