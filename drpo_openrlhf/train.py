@@ -21,6 +21,7 @@ from drpo_openrlhf.algo.length_reward import LENGTH_REWARDS
 from drpo_openrlhf.algo.shaper import GroupRewardShaper
 from drpo_openrlhf.algo.shaping import METHODS
 from drpo_openrlhf.integration import memory_plan, openrlhf_flags, preflight, signal_watch
+from drpo_openrlhf.integration.checkpoint_check import check_checkpoint
 from drpo_openrlhf.integration.checkpoints import innermost, prepare_resume, stop_message
 from drpo_openrlhf.integration.device import DEVICES
 from drpo_openrlhf.integration.graceful_stop import StopRequested, clear_stale_request
@@ -371,9 +372,16 @@ def check_positive_reward(args: argparse.Namespace, baseline: bool) -> str:
 
 
 def check_inputs(args: argparse.Namespace) -> None:
-    """Model, reward file and local datasets, before anything starts (``preflight``)."""
+    """Model, reward file and local datasets, before anything starts (``preflight``); the
+    model's files against the run (``checkpoint_check``), whose warnings go to stderr."""
     preflight.check_model(getattr(args, "actor.model_name_or_path"))
     check_tokenizer(getattr(args, "actor.model_name_or_path"))
+    for warning in check_checkpoint(
+        getattr(args, "actor.model_name_or_path"),
+        getattr(args, "data.max_len"),
+        getattr(args, "data.apply_chat_template"),
+    ):
+        print(f"drpo_openrlhf: warning: {warning}", file=sys.stderr, flush=True)
     for flag in ("ckpt.path", "ckpt.output_dir"):
         preflight.check_writable(getattr(args, flag), f"--{flag}")
     for url in (getattr(args, "reward.remote_url") or "").split(","):

@@ -13,10 +13,31 @@ do not. Compared here: the tokenizer as loaded against ``tokenizer.json`` itself
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 # spaces, digits, punctuation and line breaks: what a rebuilt tokenizer gets wrong
 PROBE = "What is 12 + 345? Let me check:\n  the sum is 357."
+
+
+def load_tokenizer(source: str, cache_dir: str | None = None) -> Any:
+    """``AutoTokenizer`` of a local directory or a cached Hub id, as OpenRLHF loads it, never
+    downloading; loaded once per launch for this module's and ``checkpoint_check``'s checks,
+    again when a local directory's files change (tests rewrite them)."""
+    folder = Path(source)
+    files = sorted(folder.iterdir()) if folder.is_dir() else []
+    stamp = tuple((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in files if f.is_file())
+    return _load_tokenizer(source, cache_dir, stamp)
+
+
+@lru_cache(maxsize=2)
+def _load_tokenizer(source: str, cache_dir: str | None, stamp: tuple) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(
+        source, trust_remote_code=True, local_files_only=True, cache_dir=cache_dir
+    )
 
 
 def tokenizer_problem(model_dir: Path) -> str | None:
@@ -26,10 +47,9 @@ def tokenizer_problem(model_dir: Path) -> str | None:
     if not file.is_file():
         return None
     from tokenizers import Tokenizer
-    from transformers import AutoTokenizer
 
     expected = Tokenizer.from_file(str(file)).encode(PROBE, add_special_tokens=False).ids
-    loaded = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=True)
+    loaded = load_tokenizer(str(model_dir))
     got = loaded(PROBE, add_special_tokens=False)["input_ids"]
     if got == expected:
         return None
