@@ -446,19 +446,26 @@ def test_job_killed_then_preempted_while_a_checkpoint_is_written_resumes_from_th
     assert {2, 3} <= set(logged["train/drpo/objective"])
 
 
+# one-token responses: every one truncated at the limit, none correct (--rollout.max_new_tokens)
+ONE_TOKEN = ("--rollout.max_new_tokens", "1")
+CUT = "100% of them truncated: raise --rollout.max_new_tokens"  # the step line's first fix
+
+
 def test_every_response_truncated_and_wrong_trains_on_then_disk_full_at_save_stops(
     toy, ray_address, inject, tmp_path
 ):
-    """One-token responses: every one truncated at the limit, none correct, so DRPO's loss
-    has no valid group (only the trust region acts); the run goes on, says so and saves
-    steps 1 and 2. Step 3's save then fails with a full disk: the run stops naming step 2's
-    checkpoint, with step 3's metrics logged. The fault is in DeepSpeed's save, whatever the
-    responses are, and comes after the two steps it follows are saved."""
+    """One-token responses, so DRPO's loss has no valid group (only the trust region acts);
+    with the stop on a run without signal turned off, the run goes on, each step's line says
+    why (the control of the next test) and it saves steps 1 and 2. Step 3's save then fails
+    with a full disk: the run stops naming step 2's checkpoint, with step 3's metrics logged.
+    The fault is in DeepSpeed's save, whatever the responses are, and comes after the two
+    steps it follows are saved."""
     inject(fault="enospc_save", step=3)
     code, output = run_to_end(
         toy,
         tmp_path,
-        *("--rollout.max_new_tokens", "1"),
+        *ONE_TOKEN,
+        *("--drpo.max_steps_without_signal", "0"),
         ray_address=ray_address,
         steps=4,
         fault="FAULT:",
@@ -469,3 +476,42 @@ def test_every_response_truncated_and_wrong_trains_on_then_disk_full_at_save_sto
     logged = read_scalars(tmp_path / "tb")
     assert logged["train/drpo/valid_prompt_fraction"] == {1: 0.0, 2: 0.0, 3: 0.0}
     assert logged["train/drpo/truncated"] == {1: 1.0, 2: 1.0, 3: 1.0}
+    assert logged["train/rollout/learnable_group_fraction"] == {1: 0.0, 2: 0.0, 3: 0.0}
+    for step in (1, 2, 3):
+        line = f"drpo_openrlhf: step {step}: correct 0%, learnable groups 0/4 | math: "
+        assert line in output, output[-3000:]
+        assert f"no learning signal ({step} in a row; " in output
+    assert CUT in output and "NoLearningSignalError" not in output
+
+
+def test_a_run_that_cannot_learn_stops_before_its_kth_update(toy, ray_address, inject, tmp_path):
+    """The same one-token responses with the stop at 2 rollouts: step 1 trains, is saved and
+    its line says why nothing can be learnt; step 2's rollout is the second in a row, so the
+    run stops before its update, exit 1, its stop line naming the reasons, the fix and step
+    1's checkpoint."""
+    code, output = run_to_end(
+        toy,
+        tmp_path,
+        *ONE_TOKEN,
+        *("--drpo.max_steps_without_signal", "2"),
+        ray_address=ray_address,
+        steps=4,
+    )
+    assert code == 1, output[-3000:]
+    assert "drpo_openrlhf: step 2: correct 0%, learnable groups 0/4 | math: " in output
+    line = stop_line(output)
+    assert line.startswith(
+        f"{STOP}NoLearningSignalError: no prompt group to learn from in 2 rollouts in a row "
+        "(--drpo.max_steps_without_signal 2; 0 turns this stop off): 4 of 4 groups all wrong "
+        "(math: "
+    ), line
+    assert re.search(r"\(math: (no_think_end|no_boxed) 100%\): " + re.escape(CUT), line), line
+    folder = tmp_path / "ckpt" / "_actor" / "global_step1"
+    assert line.endswith(
+        f"Last complete checkpoint: {folder}; rerun with the change this line names and "
+        "--ckpt.load_enable to resume from it."
+    ), line
+    assert "Global step 2:" not in output  # stopped before step 2's update
+    logged = read_scalars(tmp_path / "tb")
+    assert sorted(logged["train/drpo/objective"]) == [1]
+    assert logged["train/rollout/steps_without_signal"] == {1: 1.0}
