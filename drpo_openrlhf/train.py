@@ -20,6 +20,7 @@ from drpo_openrlhf.algo.config import KL_ESTIMATES, PENALTY_FORMS
 from drpo_openrlhf.algo.length_reward import LENGTH_REWARDS
 from drpo_openrlhf.algo.shaper import GroupRewardShaper
 from drpo_openrlhf.algo.shaping import METHODS
+from drpo_openrlhf.algo.weight_probe import GUARDS as PROBE_GUARDS
 from drpo_openrlhf.integration import memory_plan, openrlhf_flags, preflight, signal_watch
 from drpo_openrlhf.integration.checkpoint_check import check_checkpoint
 from drpo_openrlhf.integration.checkpoints import innermost, prepare_resume, stop_message
@@ -193,6 +194,16 @@ def add_drpo_arguments(parser: argparse.ArgumentParser) -> None:
         help="after every weight sync, check exactly (per-parameter digests) that each vLLM "
         "engine holds the weights the actor sent, and stop the run if not (default on; "
         "docs/launch.md)",
+    )
+    g.add_argument(
+        "--drpo.weight_probe",
+        choices=PROBE_GUARDS,
+        default="all",
+        help="after each weight check every vLLM engine and the actor score a fixed text; "
+        "which differences stop the run: 'all' (an engine against the others, and against the "
+        "actor), 'engines' (only against each other: engines meant to differ from the actor, "
+        "e.g. fp8), 'actor' (only against the actor: engines meant to differ from each other), "
+        "'log' (none; logged as drpo/probe_logprob_gap; docs/reliability.md)",
     )
     g.add_argument(
         "--drpo.logprob_chunk_tokens",
@@ -441,6 +452,7 @@ def parse(argv: list[str]) -> tuple[DRPOConfig, SimpleNamespace, list[str]]:
         max_logprob_gap=getattr(args, "drpo.max_logprob_gap"),
         device=getattr(args, "drpo.device"),
         verify_weight_sync=getattr(args, "drpo.verify_weight_sync"),
+        weight_probe=getattr(args, "drpo.weight_probe"),
         logprob_chunk_tokens=getattr(args, "drpo.logprob_chunk_tokens"),
         ckpt_path=getattr(args, "ckpt.path"),
         resume=getattr(args, "ckpt.load_enable"),

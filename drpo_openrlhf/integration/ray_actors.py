@@ -46,6 +46,7 @@ from drpo_openrlhf.integration.signal_watch import (
     rollout_signal,
 )
 from drpo_openrlhf.integration.sync_check import (
+    ProbingSamplesGenerator,
     SentDigestsActor,
     SyncReportingEngine,
     VerifiedSyncTrainer,
@@ -169,10 +170,11 @@ class _MaxStepsReached(Exception):
     """Raised after the checkpoint of the last step to leave OpenRLHF's episode loops."""
 
 
-class StoppableSamplesGenerator(samples_generator.SamplesGenerator):
+class StoppableSamplesGenerator(ProbingSamplesGenerator, samples_generator.SamplesGenerator):
     """OpenRLHF's generator whose rollouts a stop request can drop (``graceful_stop``): it
     looks for the request before generating and once the rollout is complete, and its vLLM
-    requests go to a ``RolloutCanceller`` meanwhile."""
+    requests go to a ``RolloutCanceller`` meanwhile. The engines score a pending weight probe
+    before its first request (``sync_check.ProbingSamplesGenerator``)."""
 
     canceller: RolloutCanceller
 

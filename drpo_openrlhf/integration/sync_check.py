@@ -17,14 +17,19 @@ trained for 32 steps and exited 0 (issue 22). Three mixins close that:
   first), compares what the engines hold with the actor's weights; around each sync, starts
   the recording, then compares what every engine loaded and holds with what was sent
   (``weight_digest.check_sync``). A difference stops the run with ``WeightSyncError`` naming
-  the engine, the parameters and the step. After each check every engine and the actor score
-  a fixed probe text token by token (``drpo/probe_logprob_gap``, and a line in the log).
+  the engine, the parameters and the step.
+- The weight probe: after each check the actor scores a fixed text token by token; the
+  engines score it before the next rollout's first request (``ProbingSamplesGenerator``), when
+  OpenRLHF has woken them under ``--vllm.enable_sleep`` and they are idle, so each scores it
+  alone, in the same shape. An engine that scores it differently from the others or too far
+  from the actor stops the run (``algo/weight_probe.py``, ``--drpo.weight_probe``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import deepspeed
@@ -32,17 +37,16 @@ import ray
 import torch
 from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
 
-from drpo_openrlhf.algo.logprob_gap import probe_gap
+from drpo_openrlhf.algo.weight_probe import (
+    PROBE_TOKENS,
+    ActorLimits,
+    WeightProbeError,
+    compare_probe,
+    probe_token_ids,
+)
 from drpo_openrlhf.integration.weight_digest import Digest, WorkerReport, check_sync, digest
 
 SYNC_METHODS = ("update_weight", "update_weight_cuda_ipc")
-# The weight probe: a fixed text every engine and the actor score token by token after each
-# check, so that what the digests cannot see (a kernel, attention or rotary setting, a stale
-# cache) shows as a number.
-PROBE_TEXT = (
-    "Weight probe. The quick brown fox jumps over the lazy dog; 12 + 30 = 42, and 7 x 6 is 42 "
-    "too. Therefore, the answer is \\boxed{42}."
-)
 
 
 class _DigestingMethod:
@@ -160,7 +164,9 @@ class SyncReportingEngine:
 
     async def probe_logprobs(self, token_ids: list[int]) -> list[float]:
         """vLLM's log-prob of each probe token after those before it (prompt log-probs: from
-        the raw logits, temperature 1)."""
+        the raw logits, temperature 1, past every sampling setting). A request for prompt
+        log-probs never reads the prefix cache (vLLM's ``SamplingParams``
+        ``skip_reading_prefix_cache``), so the probe computes every position afresh."""
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
@@ -180,12 +186,29 @@ def worker_report(raw: dict) -> WorkerReport:
     )
 
 
+class ProbingSamplesGenerator:
+    """Mixin of the driver's samples generator: runs the weight probe a check left pending
+    before the first request to the engines. OpenRLHF wakes sleeping engines (KV cache too)
+    just before (``samples_generator.py: generate_samples``, ``generate_eval_samples``), so
+    the probe runs within the memory plan of generation, in every layout, and on idle engines."""
+
+    pending_probe: Callable[[], None] | None = None
+
+    def _dispatch_prompts_to_vllm(self, *args, **kwargs):
+        probe, self.pending_probe = self.pending_probe, None
+        if probe is not None:
+            probe()
+        return super()._dispatch_prompts_to_vllm(*args, **kwargs)
+
+
 class VerifiedSyncTrainer:
     """Mixin of the driver's ``PPOTrainer``: the engines' first weights and every
-    ``broadcast_to_vllm`` are checked."""
+    ``broadcast_to_vllm`` are checked, then probed."""
 
     _sync_when = "at the start of the resumed run"
-    _probe_gap: float | None = None
+    _probe_ids: list[int] | None = None
+    _probe_limits: ActorLimits | None = None
+    _probe_metrics: dict[str, float] | None = None
 
     def _actor_weights(self, digests: bool) -> dict[str, tuple]:
         ranks = ray.get(
@@ -216,31 +239,54 @@ class VerifiedSyncTrainer:
         return states
 
     def _probe(self, when: str) -> None:
-        """Score the probe text on every engine and the actor; log the largest mean gap. Not
-        with ``--vllm.enable_sleep``: after a sync the engines' KV cache is asleep until
-        OpenRLHF wakes it to generate, and the memory plan counts on that."""
-        if self.args.vllm.enable_sleep:
-            print(f"drpo_openrlhf: weight probe {when}: skipped (--vllm.enable_sleep)", flush=True)
-            return
-        ids = self.tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
+        """Score the probe on the actor now, on the weights just checked, and leave the
+        engines' scoring to the samples generator: under ``--vllm.enable_sleep`` their KV
+        cache sleeps until OpenRLHF wakes them to generate, and the memory plan counts on
+        that. The actor's weights do not change until after that rollout."""
+        if self._probe_ids is None:  # as long as vLLM's context allows (prompt + 1 token)
+            count = min(PROBE_TOKENS, self.args.data.max_len - 1)
+            self._probe_ids = probe_token_ids(self.tokenizer, count)
         actor = ray.get(
-            self.actor_model_group.async_run_method(method_name="probe_logprobs", token_ids=ids)
+            self.actor_model_group.async_run_method(
+                method_name="probe_logprobs", token_ids=self._probe_ids
+            )
         )[0]
+        self.samples_generator.pending_probe = partial(self._probe_engines, when, actor)
+
+    def _probe_engines(self, when: str, actor: list[float]) -> None:
+        """Every engine scores the probe; compare (``weight_probe.compare_probe``), log, and
+        stop the run with ``WeightProbeError`` on what ``--drpo.weight_probe`` guards."""
+        ids = self._probe_ids
         engines = ray.get([engine.probe_logprobs.remote(ids) for engine in self.vllm_engines])
-        gaps = [probe_gap(actor, engine) for engine in engines]
-        self._probe_gap = max(mean for mean, _ in gaps)
-        print(
-            f"drpo_openrlhf: weight probe {when}: |vLLM - actor| log-prob over {len(actor)} "
-            "fixed tokens: "
-            + ", ".join(f"engine {i} mean {m:.3g} max {x:.3g}" for i, (m, x) in enumerate(gaps)),
-            flush=True,
-        )
+        if self._probe_limits is None:
+            self._probe_limits = ActorLimits()
+        guard = self.args.drpo_run.weight_probe
+        result = compare_probe(actor, engines, self._probe_limits, guard)
+        self._probe_metrics = result.metrics()
+        lines = [
+            f"weight probe {when}: |vLLM - actor| log-prob over {len(actor)} fixed tokens: "
+            + ", ".join(
+                f"engine {i} mean {m:.3g} max {x:.3g}" for i, (m, x) in enumerate(result.gaps)
+            )
+            + (f"; engines differ by up to {result.engine_spread:.3g}" if len(engines) > 1 else ""),
+            *result.notes,
+        ]
+        print("\n".join(f"drpo_openrlhf: {line}" for line in lines), flush=True)
+        if result.problems:
+            raise WeightProbeError(
+                f"weight probe {when} failed (--drpo.weight_probe {guard}):\n  "
+                + "\n  ".join(result.problems)
+                + "\nThe digests found every engine's weights exact, so an engine computes with "
+                "them otherwise (rotary base or scaling, dtype, attention kernel, quantization). "
+                "Engines meant to differ: --drpo.weight_probe actor (from each other), engines "
+                "(from the actor) or log (docs/reliability.md, Weight probe)."
+            )
 
     def train_step(self, rollout_samples, global_step: int):
         self._sync_when = f"after rollout step {global_step + 1}"
         status, step = super().train_step(rollout_samples, global_step)
-        if self._probe_gap is not None:
-            status["drpo/probe_logprob_gap"] = self._probe_gap
+        if self._probe_metrics:  # the probe of the weights that sampled this rollout
+            status.update(self._probe_metrics)
         return status, step
 
     def broadcast_to_vllm(self) -> None:
