@@ -9,6 +9,7 @@ flags are answered on any machine.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 from dataclasses import fields, replace
@@ -30,7 +31,8 @@ from drpo_openrlhf.integration.layout import Layout, data_parallel_size
 from drpo_openrlhf.integration.signal_watch import NoLearningSignalError
 from drpo_openrlhf.integration.tokenizer_check import check_tokenizer
 from drpo_openrlhf.openrlhf_cli import check_openrlhf_validation, openrlhf_parser
-from drpo_openrlhf.rewards import positive_reward
+from drpo_openrlhf.rewards import answer_format, positive_reward
+from drpo_openrlhf.rewards._plugin import env_flag
 
 
 def reward_plugin_path(name: str = "math_reward.py") -> str:
@@ -149,6 +151,14 @@ def add_drpo_arguments(parser: argparse.ArgumentParser) -> None:
         "'fewer_reflections', 'fewer_answers', path/to/file.py[:function] (default function "
         "positive_reward(texts, lengths, labels)), or a weighted sum such as "
         "'length+0.5*fewer_reflections' (docs/positive_rewards.md)",
+    )
+    g.add_argument(
+        "--drpo.answer_format",
+        choices=answer_format.FORMATS,
+        default="auto",
+        help="whether the reward reads answers after </think> ('thinking', the authors' "
+        "contract) or whole where a response has none ('plain'); 'auto' decides from the "
+        "model's chat template, and baselines use it too (default %(default)s; docs/rewards.md)",
     )
     g.add_argument(
         "--drpo.keep_all_wrong",
@@ -382,6 +392,35 @@ def check_positive_reward(args: argparse.Namespace, baseline: bool) -> str:
     return preflight.check_positive_reward(spec, c, getattr(args, "drpo.length_reward"))
 
 
+def resolve_answer_format(args: argparse.Namespace) -> tuple[answer_format.AnswerFormat, str]:
+    """The run's answer format (``rewards/answer_format.py``) and its line for the log. The
+    trainer binds it to the reward in every vLLM engine (``ray_actors.bind_answer_format``);
+    a flag given explicitly must reach it, and ``DRPO_REWARD_REQUIRE_THINK_END`` (the
+    plugins' fallback for stock OpenRLHF) set otherwise on the driver must agree with it."""
+    flag = getattr(args, "drpo.answer_format")
+    decided = answer_format.answer_format(getattr(args, "actor.model_name_or_path"), flag)
+    fallback = env_flag(answer_format.ENV_FALLBACK, decided.require_think_end)
+    if fallback != decided.require_think_end and not decided.explicit:
+        raise ValueError(
+            f"{answer_format.ENV_FALLBACK}={os.environ[answer_format.ENV_FALLBACK]} is set, but "
+            f"the entry point decided the {decided.line()} and binds it to the reward itself: "
+            "say which with --drpo.answer_format thinking or plain, or unset the variable"
+        )
+    reward = (getattr(args, "reward.remote_url") or "").split(",")[0].strip()
+    if preflight.reward_takes(reward, "require_think_end"):
+        return decided, decided.line()
+    if decided.explicit:
+        raise ValueError(
+            f"--drpo.answer_format {flag}: the reward {reward or '(none)'} takes no "
+            "require_think_end keyword (a reward file's reward_func needs that parameter or "
+            "**kwargs), so the flag cannot reach it: drop the flag or add the parameter"
+        )
+    return decided, (
+        f"{decided.line()}; not passed on: the reward {reward} takes no require_think_end and "
+        "grades by its own rules"
+    )
+
+
 def check_inputs(args: argparse.Namespace) -> None:
     """Model, reward file and local datasets, before anything starts (``preflight``); the
     model's files against the run (``checkpoint_check``), whose warnings go to stderr."""
@@ -469,6 +508,7 @@ def parse(argv: list[str]) -> tuple[DRPOConfig, SimpleNamespace, list[str]]:
         refuse_tensor_parallel_with_chunks(args)
         refuse_sleep_with_bf16_optimizer(args)
         check_inputs(args)
+        run.answer_format, run.answer_format_line = resolve_answer_format(args)
         positive_reward = check_positive_reward(args, baseline=bool(method))
         config = replace(config, positive_reward=positive_reward)
         if getattr(args, "rollout.max_new_tokens") is None:  # no budget: C from --data.max_len
@@ -484,6 +524,7 @@ def parse(argv: list[str]) -> tuple[DRPOConfig, SimpleNamespace, list[str]]:
 
 def main(argv: list[str] | None = None) -> None:
     config, run, openrlhf_argv = parse(list(sys.argv[1:] if argv is None else argv))
+    print(f"drpo_openrlhf: {run.answer_format_line}", flush=True)
     if run.memory_plan:
         print(f"Estimated peak GPU memory (docs/launch.md, Memory plan):\n{run.memory_plan}")
     else:

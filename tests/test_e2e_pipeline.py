@@ -58,7 +58,9 @@ def leftovers() -> list[str]:
 
 
 def train_command(toy, out: Path, *flags: str, steps: int = 2) -> list[str]:
-    """``python -m drpo_openrlhf.train`` on the toy task, a checkpoint every step."""
+    """``python -m drpo_openrlhf.train`` on the toy task, a checkpoint every step. The toy
+    policies think (``<think> ... </think>``); the Qwen2 one under a plain ChatML template,
+    which ``auto`` reads as plain, so the answer format is given (a later flag overrides it)."""
     return [
         sys.executable,
         "-m",
@@ -66,6 +68,7 @@ def train_command(toy, out: Path, *flags: str, steps: int = 2) -> list[str]:
         *("--actor.model_name_or_path", str(toy["base"])),
         *("--data.prompt_dataset", str(toy["train"]), "--data.input_key", "prompt"),
         *("--data.label_key", "label", "--data.apply_chat_template"),
+        *("--drpo.answer_format", "thinking"),
         *("--actor.num_nodes", "1", "--actor.num_gpus_per_node", "1"),
         *("--vllm.num_engines", "1", "--vllm.enforce_eager"),
         *("--vllm.gpu_memory_utilization", "0.1"),
@@ -150,13 +153,17 @@ def test_drpo_two_ranks_zero2_llama_with_eval_then_resume(toy_llama, ray_address
     """Two actor ranks under ZeRO-2 (first run and resume), on the 8B recipe's architecture (a
     tiny Llama: untied LM head, no biases, llama3 RoPE, grouped KV heads,
     DeepSeek-R1-Distill-Llama's chat format and BOS; tests/conftest.py), through the
-    weight-sync check, evaluation, and a resume from the run's own checkpoint."""
+    weight-sync check, evaluation, and a resume from the run's own checkpoint. The first run
+    decides its answer format from that chat format (``auto``): thinking."""
     toy = toy_llama
     out = tmp_path / "run"
     two_ranks = ("--ds.zero_stage", "2", "--actor.num_gpus_per_node", "2")
     eval_flags = ("--eval.dataset", str(toy["eval"]), "--eval.steps", "1")
-    first = train(toy, out, *two_ranks, *eval_flags, ray_address=ray_address)
+    auto = ("--drpo.answer_format", "auto")
+    first = train(toy, out, *two_ranks, *eval_flags, *auto, ray_address=ray_address)
     assert first.returncode == 0, first.output[-3000:]
+    assert "answer format: thinking (chat_template.jinja drops an earlier" in first.output
+    assert "require_think_end=True bound to the reward in 1 of 1 vLLM engine(s)" in first.output
     logged = assert_drpo_trained(out, toy["base"], steps=2)
     evaluated = {tag: sorted(steps) for tag, steps in logged.items() if tag.startswith("eval/")}
     assert evaluated and all(s == [1, 2] for s in evaluated.values()), evaluated  # the last too

@@ -62,7 +62,10 @@ def run_args(tiny: str, out: Path, grader: str) -> list[str]:
 def test_run_writes_result_json_and_csv(tiny, grader_on_path, tmp_path, capsys) -> None:
     out = tmp_path / "results"
     assert main(run_args(tiny, out, grader_on_path)) == 0
-    assert "DRPO-0.1: pass@1" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "DRPO-0.1: pass@1" in printed
+    # the tiny model's ChatML template: plain answers (--answer-format auto)
+    assert f"{tiny}: answer format: plain (the generation prompt of chat_template.jinja" in printed
 
     doc = json.loads((out / "DRPO-0.1.json").read_text())
     assert list(doc) == [
@@ -75,7 +78,7 @@ def test_run_writes_result_json_and_csv(tiny, grader_on_path, tmp_path, capsys) 
     assert doc["settings"] == {
         "n": 2, "temperature": 0.6, "top_p": 0.95, "max_new_tokens": 6, "seed": 0,
         "backend": "hf", "dtype": "auto", "ks": [1, 2],
-        "grader": {"function": grader_on_path, "require_think_end": True},
+        "grader": {"function": grader_on_path, "require_think_end": False},
     }  # fmt: skip
     assert list(doc["datasets"]) == ["arith_easy", "fractions"]
     for metrics in doc["datasets"].values():

@@ -143,9 +143,11 @@ def demo_runs(config: DemoConfig) -> list[Run]:
 def shared_flags(rl: RLConfig) -> list[str]:
     """The ``drpo_openrlhf.train`` flags every toy run shares: one actor rank and one vLLM
     engine (non-colocated), ZeRO-2, the rollout and optimiser settings (``drpo-sweep toy``
-    writes them into its sweep file)."""
+    writes them into its sweep file). The toy policy thinks (``<think> ... </think>``) under a
+    plain ChatML template, so the flag says so: ``auto`` would read that template as plain."""
     return [
         *("--data.input_key", "prompt", "--data.label_key", "label", "--data.apply_chat_template"),
+        *("--drpo.answer_format", "thinking"),
         *("--actor.num_nodes", "1", "--actor.num_gpus_per_node", "1"),
         *("--vllm.num_engines", "1", "--vllm.enforce_eager"),
         *("--vllm.gpu_memory_utilization", "0.1"),  # on CPU: the share of RAM for KV cache

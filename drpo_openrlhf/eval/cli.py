@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from drpo_openrlhf.eval.problems import AVERAGE
+from drpo_openrlhf.rewards.answer_format import FORMATS, AnswerFormatError, answer_format
 
 COMMANDS = ("run", "plot", "aes", "cost")
 
@@ -71,7 +72,19 @@ def _run_parser() -> argparse.ArgumentParser:
     grading = p.add_argument_group("grading")
     grading.add_argument("--grader", default=None, help="module:function (default: math reward)")
     grading.add_argument(
-        "--no-require-think-end", action="store_true", help="grade responses without </think> too"
+        "--answer-format",
+        choices=FORMATS,
+        default="auto",
+        help="whether answers follow </think> ('thinking') or are read whole where a response "
+        "has none ('plain'); 'auto' decides per model from its chat template, as the training "
+        "entry point does (default %(default)s; docs/rewards.md)",
+    )
+    grading.add_argument(
+        "--no-require-think-end",
+        dest="answer_format",
+        action="store_const",
+        const="plain",
+        help="the same as --answer-format plain",
     )
     grading.add_argument("--grade-timeout", type=float, help="seconds per response")
     grading.add_argument("--grade-batch-size", type=int, default=512)
@@ -147,7 +160,14 @@ def run_command(argv: Sequence[str]) -> int:
     backend = args.backend
     if backend == "auto":
         backend = "vllm" if importlib.util.find_spec("vllm") else "hf"
-    grader_kwargs: dict = {"require_think_end": not args.no_require_think_end}
+    formats = {}
+    for model in dict.fromkeys(args.model):
+        try:
+            formats[model] = answer_format(model, args.answer_format, "--answer-format")
+        except AnswerFormatError as error:
+            raise SystemExit(str(error)) from None
+        print(f"{model}: {formats[model].line()}")
+    grader_kwargs: dict = {}
     if args.grade_timeout is not None:
         grader_kwargs["timeout_s"] = args.grade_timeout
     grader_spec = args.grader or DEFAULT_GRADER
@@ -158,20 +178,21 @@ def run_command(argv: Sequence[str]) -> int:
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
     )
-    evaluator = Evaluator(
-        sampling=sampling,
-        grader=load_grader(grader_spec, **grader_kwargs),
-        backend_factory=_backend_factory(args, backend),
-        cache_dir=args.cache_dir or args.output_dir / "cache",
-        backend_key={"backend": backend, "dtype": args.dtype},
-        grader_info={"function": grader_spec, **grader_kwargs},
-        ks=args.k or [args.n],
-        chunk_size=args.chunk_size,
-        grade_batch_size=args.grade_batch_size,
-        progress=not args.no_progress,
-    )
     datasets = load_problems(args.data, limit=args.limit)
     for model, label in zip(args.model, labels, strict=True):
+        kwargs = {"require_think_end": formats[model].require_think_end, **grader_kwargs}
+        evaluator = Evaluator(
+            sampling=sampling,
+            grader=load_grader(grader_spec, **kwargs),
+            backend_factory=_backend_factory(args, backend),
+            cache_dir=args.cache_dir or args.output_dir / "cache",
+            backend_key={"backend": backend, "dtype": args.dtype},
+            grader_info={"function": grader_spec, **kwargs},
+            ks=args.k or [args.n],
+            chunk_size=args.chunk_size,
+            grade_batch_size=args.grade_batch_size,
+            progress=not args.no_progress,
+        )
         doc = evaluator.evaluate(model, datasets, label)
         json_path, _ = write_result(doc, args.output_dir)
         avg = doc["average"]

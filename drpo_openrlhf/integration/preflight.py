@@ -69,6 +69,20 @@ def check_reward_file(path: str) -> None:
         )
 
 
+def reward_takes(path: str, keyword: str) -> bool:
+    """The reward file's top-level ``reward_func`` (the last one defined) takes ``keyword``,
+    by name or through ``**kwargs``; False for a reward server or a file without one. Read
+    from the source, without running the user's code."""
+    if not path.endswith(".py") or not Path(path).is_file():
+        return False
+    takes = False
+    for node in ast.parse(Path(path).read_text(), filename=path).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == "reward_func":
+            named = [*node.args.args, *node.args.kwonlyargs]
+            takes = node.args.kwarg is not None or keyword in {a.arg for a in named}
+    return takes
+
+
 def portable_path(path: str) -> str:
     """A plugin path as every Ray worker finds it: absolute, except inside a Ray
     ``working_dir`` copy (whose absolute path differs from node to node), where a relative

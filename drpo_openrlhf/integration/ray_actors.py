@@ -38,7 +38,7 @@ from drpo_openrlhf.integration.graceful_stop import (
     stop_requested,
 )
 from drpo_openrlhf.integration.positive_engine import PositiveRewardEngine
-from drpo_openrlhf.integration.reward_guard import guard_engine_rewards
+from drpo_openrlhf.integration.reward_guard import RewardOptionsEngine, guard_engine_rewards
 from drpo_openrlhf.integration.shaping import ShapingExperienceMaker, advantage_signal_stats
 from drpo_openrlhf.integration.signal_watch import (
     NoLearningSignalError,
@@ -166,6 +166,29 @@ def configure_positive_reward(engines: list, args) -> None:
     logger.info("positive reward %s loaded in %d engine(s)", drpo.positive_reward, len(engines))
 
 
+def bind_answer_format(engines: list, args) -> None:
+    """Bind the run's answer format (decided by the entry point: ``--drpo.answer_format``) to
+    the reward function in every vLLM engine, as ``require_think_end``; the value travels
+    with the call, so an engine on any node grades as the driver decided. A reward function
+    that does not take it grades by its own rules; with the flag given, that stops the run."""
+    answer_format = args.drpo_run.answer_format
+    if not engines:
+        return
+    options = {"require_think_end": answer_format.require_think_end}
+    bound = ray.get([e.bind_reward_options.remote(options) for e in engines])
+    unbound = sum("require_think_end" not in names for names in bound)
+    if unbound and answer_format.explicit:
+        raise RuntimeError(
+            f"{answer_format.reason}: the reward function of {unbound} of {len(engines)} vLLM "
+            "engine(s) takes no require_think_end keyword, so the flag cannot reach it"
+        )
+    print(
+        f"drpo_openrlhf: require_think_end={answer_format.require_think_end} bound to the "
+        f"reward in {len(engines) - unbound} of {len(engines)} vLLM engine(s)",
+        flush=True,
+    )
+
+
 class _MaxStepsReached(Exception):
     """Raised after the checkpoint of the last step to leave OpenRLHF's episode loops."""
 
@@ -219,6 +242,7 @@ class _GroupAwarePPOTrainer(VerifiedSyncTrainer, ppo_trainer.PPOTrainer.__ray_ac
         run = self.args.drpo_run
         self._gap_limit = GapLimit(run.max_logprob_gap, run.verify_weight_sync)
         self._signal_watch = SignalWatch(run.max_steps_without_signal)
+        bind_answer_format(self.vllm_engines, self.args)  # DRPO and the baselines alike
         if run.method:
             self.experience_maker.__class__ = ShapingExperienceMaker
             self.experience_maker.shaper = GroupRewardShaper(
@@ -343,7 +367,10 @@ class _GroupAwarePPOTrainer(VerifiedSyncTrainer, ppo_trainer.PPOTrainer.__ray_ac
 
 
 class _CPURolloutRayActor(
-    PositiveRewardEngine, SyncReportingEngine, vllm_engine.RolloutRayActor.__ray_actor_class__
+    RewardOptionsEngine,
+    PositiveRewardEngine,
+    SyncReportingEngine,
+    vllm_engine.RolloutRayActor.__ray_actor_class__,
 ):
     """OpenRLHF's vLLM engine actor with the CPU worker extension (``cpu_support``), the
     reward guard (``reward_guard``) and DRPO's positive reward (``positive_engine``).
@@ -360,7 +387,10 @@ class _CPURolloutRayActor(
 
 
 class _GPURolloutRayActor(
-    PositiveRewardEngine, SyncReportingEngine, vllm_engine.RolloutRayActor.__ray_actor_class__
+    RewardOptionsEngine,
+    PositiveRewardEngine,
+    SyncReportingEngine,
+    vllm_engine.RolloutRayActor.__ray_actor_class__,
 ):
     """OpenRLHF's vLLM engine actor whose workers record and digest each weight sync, with the
     reward guard (``reward_guard``) and DRPO's positive reward (``positive_engine``)."""

@@ -10,16 +10,24 @@ missing or made-up score trains the policy against right answers. Two guards:
   is logged as a WARNING with the cause and becomes a NaN reward;
 - on the driver (``check_rollout_rewards``): a rollout holding any missing or non-finite
   reward or score stops the run, naming how many and where to read the causes.
+
+The guard also binds the run's reward options (``require_think_end``, the answer format the
+entry point decided: ``rewards/answer_format.py``) to the reward function, for those of the
+options it accepts by name or through ``**kwargs``: OpenRLHF calls it with the queries,
+prompts and labels only, and an engine on another node does not share the driver's
+environment.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import math
 import os
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -89,14 +97,34 @@ def _call_with_timeout(func: Callable, timeout: float, *args):
     return box["answer"]
 
 
-def guard_reward_func(reward_func: Callable, timeout: float | None = None) -> Callable:
+def accepted_options(reward_func: Callable, options: Mapping[str, object]) -> dict[str, object]:
+    """The ``options`` that ``reward_func`` takes as keyword arguments (all of them when it
+    has ``**kwargs``; none when its signature cannot be read)."""
+    try:
+        parameters = inspect.signature(reward_func).parameters.values()
+    except (TypeError, ValueError):
+        return {}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return dict(options)
+    named = {
+        p.name
+        for p in parameters
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
+    return {k: v for k, v in options.items() if k in named}
+
+
+def guard_reward_func(
+    reward_func: Callable, timeout: float | None = None, options: Mapping | None = None
+) -> Callable:
     """``reward_func`` whose failures become logged NaN rewards (``check_rollout_rewards``
-    then stops the run)."""
+    then stops the run), called with ``options`` as keyword arguments."""
     limit = timeout if timeout is not None else call_timeout_s()
+    func = functools.partial(reward_func, **options) if options else reward_func
 
     def guarded(queries, prompts, labels, **kwargs):
         try:
-            answer = _call_with_timeout(reward_func, limit, queries, prompts, labels)
+            answer = _call_with_timeout(func, limit, queries, prompts, labels)
             problem = answer_problem(answer, len(queries))
         except TimeoutError as error:
             problem = str(error)
@@ -112,10 +140,27 @@ def guard_reward_func(reward_func: Callable, timeout: float | None = None) -> Ca
     return guarded
 
 
-def guard_engine_rewards(executor) -> None:
-    """Wrap the reward function of an engine's executor, if it has one (a reward file)."""
-    if getattr(executor, "reward_func", None) is not None:
-        executor.reward_func = guard_reward_func(executor.reward_func)
+def guard_engine_rewards(executor, options: Mapping | None = None) -> list[str]:
+    """Wrap the reward function of an engine's executor, if it has one (a reward file), with
+    the ``options`` it accepts bound; returns their names. Called again, it wraps the
+    original function anew (the options replace the earlier ones)."""
+    original = getattr(executor, "unguarded_reward_func", None)
+    if original is None:
+        original = getattr(executor, "reward_func", None)
+    if original is None:
+        return []
+    bound = accepted_options(original, options or {})
+    executor.unguarded_reward_func = original
+    executor.reward_func = guard_reward_func(original, options=bound)
+    return sorted(bound)
+
+
+class RewardOptionsEngine:
+    """Mixin of the vLLM engine actor: ``bind_reward_options`` binds the run's reward
+    options in the engine's process (the trainer calls it once before the first rollout)."""
+
+    async def bind_reward_options(self, options: dict) -> list[str]:
+        return guard_engine_rewards(self.executor, options)
 
 
 def check_rollout_rewards(samples: list) -> None:

@@ -24,8 +24,11 @@ A response is correct when every person of the solution is assigned the right ro
 Reasons: ``ok``, ``wrong`` (someone has the wrong role), ``incomplete`` (someone has no
 role), ``no_think_end``, ``bad_label``, ``error``.
 
-As an OpenRLHF plugin: ``--reward.remote_url /path/to/drpo_openrlhf/rewards/kk_reward.py``
-(``DRPO_REWARD_REQUIRE_THINK_END=0`` for non-thinking models).
+As an OpenRLHF plugin: ``--reward.remote_url /path/to/drpo_openrlhf/rewards/kk_reward.py``.
+For a model that does not think (``require_think_end=False``, which our entry point passes
+as ``--drpo.answer_format`` decides; ``DRPO_REWARD_REQUIRE_THINK_END=0`` with stock
+OpenRLHF) the answer is the whole response, or the text after a ``</think>`` if one is
+written.
 """
 
 from __future__ import annotations

@@ -6,8 +6,15 @@ As an OpenRLHF reward plugin (also with stock OpenRLHF 0.11.2)::
 
 OpenRLHF loads this file by path and calls :func:`reward_func` from worker threads. The
 file works when loaded that way even if ``drpo_openrlhf`` is not installed: it then puts
-its checkout on ``sys.path``. Options for the plugin, read per call from the environment
-of the process that runs it (the vLLM engine actors):
+its checkout on ``sys.path``.
+
+The answer is the text after ``</think>`` for a thinking model (a response without one
+scores 0, ``no_think_end``); for a model that does not think (``require_think_end=False``)
+it is the whole response, or the text after a ``</think>`` if one is written. Our entry
+point decides which from the model's chat template (``--drpo.answer_format``,
+:mod:`drpo_openrlhf.rewards.answer_format`) and passes ``require_think_end`` to this
+function in every vLLM engine. With stock OpenRLHF, which passes no options, they are read
+per call from the environment of the process that runs the plugin (the vLLM engine actors):
 
 * ``DRPO_REWARD_REQUIRE_THINK_END=0`` for non-thinking models (default ``1``);
 * ``DRPO_REWARD_TIMEOUT_S`` per-response deadline (default ``DEFAULT_TIMEOUT_S``);
@@ -66,8 +73,8 @@ def reward_func(queries, prompts, labels, **kwargs) -> dict:
     ``REASONS``, plus ``math/prompt_not_found`` and ``math/seconds`` (wall time of the
     call). Never raises: any failure scores 0 with reason ``error``.
 
-    Keyword options (our trainer may pass them; stock OpenRLHF passes none):
-    ``require_think_end`` and ``timeout_s``; they default to the environment settings.
+    Keyword options (our entry point binds ``require_think_end``; stock OpenRLHF passes
+    none): ``require_think_end`` and ``timeout_s``; they default to the environment settings.
     """
     start = time.perf_counter()
     queries, n = query_count(queries)

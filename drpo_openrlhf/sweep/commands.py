@@ -4,8 +4,10 @@ recipe's variables (Slurm) and its ``drpo-eval`` call. The sweep owns each run's
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
+from drpo_openrlhf.rewards.answer_format import AnswerFormat, answer_format
 from drpo_openrlhf.sweep.spec import Run, Sweep, format_value, seeded_flags
 
 
@@ -55,10 +57,37 @@ def recipe_env(sweep: Sweep, run: Run) -> dict[str, str]:
     return env
 
 
+FLAG = "--drpo.answer_format"
+
+
+def run_answer_format(sweep: Sweep, run: Run) -> AnswerFormat:
+    """The answer format the run trains with: its ``--drpo.answer_format`` (the method's flags
+    over the sweep's; ``auto`` when neither gives one) decided on its base model, as the
+    entry point decides it. Raises ``AnswerFormatError`` where the template cannot say."""
+    flags, flag = [*sweep.train_flags, *run.flags], "auto"
+    for i, item in enumerate(flags):  # the last one given wins, as in argparse
+        if item == FLAG and i + 1 < len(flags):
+            flag = flags[i + 1]
+        elif item.startswith(FLAG + "="):
+            flag = item.partition("=")[2]
+    if Path(run.base_model).expanduser().is_dir():  # its files, read anew: cheap
+        return answer_format(run.base_model, flag)
+    return _hub_answer_format(run.base_model, flag)
+
+
+@functools.lru_cache(maxsize=64)
+def _hub_answer_format(model: str, flag: str) -> AnswerFormat:
+    """``answer_format`` of a Hub model once per flag: a sweep asks for every run, and each
+    answer asks the Hub for the model's files."""
+    return answer_format(model, flag)
+
+
 def eval_argv(sweep: Sweep, run: Run) -> list[str]:
-    """``drpo-eval`` on the run's model, labelled for the frontier and the AES table; the
-    sweep's ``[eval] flags`` come last so they can change the protocol (and the seed)."""
+    """``drpo-eval`` on the run's model, labelled for the frontier and the AES table, graded
+    in the answer format the run trains with (the base's evaluation too); the sweep's
+    ``[eval] flags`` come last so they can change the protocol (and the seed)."""
     argv = ["--model", model_dir(sweep, run), "--data", *run.eval_data]
+    argv += ["--answer-format", run_answer_format(sweep, run).name]
     argv += ["--output-dir", str(eval_dir(sweep, run)), "--name", run.name, "--role", run.role]
     if run.display:
         argv += ["--method", run.display]

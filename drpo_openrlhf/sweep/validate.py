@@ -98,6 +98,22 @@ def backend_problems(sweep: Sweep, backend: str) -> list[str]:
     return problems
 
 
+def answer_format_problems(sweep: Sweep) -> list[str]:
+    """Each base model's answer format under the runs' ``--drpo.answer_format``, decided now
+    (``commands.run_answer_format``): a template with a thinking switch is refused before any
+    run trains rather than when its evaluation is due."""
+    from drpo_openrlhf.rewards.answer_format import AnswerFormatError
+    from drpo_openrlhf.sweep.commands import run_answer_format
+
+    problems: dict[str, list[str]] = {}  # message -> runs
+    for run in sweep.runs:
+        try:
+            run_answer_format(sweep, run)
+        except AnswerFormatError as error:
+            problems.setdefault(str(error), []).append(run.name)
+    return [f"answer format of {', '.join(runs)}: {m}" for m, runs in problems.items()]
+
+
 def command_problems(sweep: Sweep) -> list[str]:
     """Each run's training command through ``drpo_openrlhf.train.parse`` (flags, layout,
     refused PPO-only options), as the run itself would check it; one line per run at fault."""
@@ -132,6 +148,8 @@ def load_sweep(path: str | Path, backend: str, seeds: list[int] | None = None) -
     sweep = parse_sweep(resolve_paths(data), path, problems)
     if sweep is not None:
         problems += input_problems(sweep) + backend_problems(sweep, backend)
+        if not problems:
+            problems += answer_format_problems(sweep)
         if not problems and backend in ("local", "ray"):
             problems += command_problems(sweep)
     if problems or sweep is None:
