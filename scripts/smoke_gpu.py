@@ -149,6 +149,8 @@ def pipeline_command(setup: Setup, mode: str, base: Path, data: Path, out: Path)
         *("--data.max_len", "192", "--train.batch_size", str(train_batch)),
         *("--train.micro_batch_size", str(micro), "--rollout.micro_batch_size", str(micro)),
         *("--actor.adam.lr", "1e-3", "--drpo.lam", "0.1", "--drpo.kl_estimate", kl_estimate),
+        # the toy policy writes <think> under a ChatML template: grade it as it writes
+        *("--drpo.answer_format", "thinking"),
         *("--drpo.max_steps", "2", "--ckpt.save_steps", "2", "--ckpt.path", str(out / "ckpt")),
         *("--ckpt.output_dir", str(out / "model"), "--logger.tensorboard_dir", str(out / "tb")),
     ]
