@@ -71,9 +71,10 @@ def test_without_a_largest_group_every_engine_is_named():
     assert all("from every other engine" in p for p in two)
     pairs = [ACTOR, ACTOR, shifted(ACTOR, 0, 0.1), shifted(ACTOR, 0, 0.1)]
     assert len(engine_disagreements(pairs)[0]) == 4
-    majority = [ACTOR, ACTOR, ACTOR, shifted(ACTOR, 0, 0.1), shifted(ACTOR, 3, 0.2)]
-    named = [p.split(" scores")[0] for p in engine_disagreements(majority)[0]]
-    assert named == ["engine 3", "engine 4"]
+    majority = [ACTOR, ACTOR, ACTOR, shifted(ACTOR, 0, 0.1), shifted(ACTOR, 0, -0.15)]
+    problems = engine_disagreements(majority)[0]
+    assert [p.split(" scores")[0] for p in problems] == ["engine 3", "engine 4"]
+    assert problems[1].endswith("up to 0.15 nats per token (engine 0)")  # not engine 3's 0.25
 
 
 # engines against the actor
@@ -101,7 +102,7 @@ def test_an_exact_first_probe_leaves_the_floor_as_limit():
 
 def test_the_cap_bounds_the_limit_and_the_first_probe():
     limits = ActorLimits()
-    assert limits.check([0.5 * ACTOR_CAP])[0] == []  # honest but large: 10x would pass 5x cap
+    assert limits.check([0.5 * ACTOR_CAP])[0] == []  # honest but large: capped, not 4x
     assert limits.limit(0) == ACTOR_CAP
     assert len(limits.check([1.01 * ACTOR_CAP])[0]) == 1
     first = ActorLimits()

@@ -102,6 +102,34 @@ def test_an_engine_one_sync_behind_stops_the_run(toy, tmp_path, monkeypatch):
     assert "engine 0 of 1:" in out and "holds other values or places than the actor's" in out
 
 
+# engines 2 and 3 hold the actor's weights but compute otherwise (sync_breakage.py); 0 and 1 do not
+COMPUTE_BREAKS = {"2": {"rope_theta": 4.0}, "3": {"fp16_linear": True}}
+PROBE_FAILED = "weight probe before the first rollout failed (--drpo.weight_probe all)"
+
+
+def test_engines_that_compute_otherwise_stop_the_run_at_the_first_probe(toy, tmp_path, monkeypatch):
+    """What the digests cannot see, four engines, one run: engine 2's rotary base is 4x the
+    model's, engine 3's linear layers compute in fp16. Their weights are exact, so the check
+    before the first rollout passes; the probe, scored by each engine before the first request,
+    names both against the two healthy engines (which agree bit for bit), and engine 2 against
+    the actor too (over the cap at the first probe); engine 3's gap to the actor stays within
+    the honest gap's range, which only the engines' comparison can tell apart."""
+    done = broken_run(
+        toy, tmp_path, monkeypatch, COMPUTE_BREAKS, "--vllm.num_engines", "4", steps=1
+    )
+    assert done.returncode != 0
+    out = done.output
+    assert "SYNC BREAK: rotary base x 4.0" in out and "compute in fp16" in out
+    assert GUARD not in out  # the weights are the actor's
+    assert PROBE_FAILED in out, out[-3000:]
+    print(out[out.index(PROBE_FAILED) :][:1500])
+    named = re.findall(r"engine (\d+) scores the probe differently from engines 0, 1:", out)
+    assert sorted(named) == ["2", "3"], out[-3000:]
+    far = re.findall(r"engine (\d+) is [\d.e-]+ nats per token from the actor", out)
+    assert far == ["2"], out[-3000:]
+    assert "Global step 1:" not in out
+
+
 def test_without_the_guard_the_same_breakages_run_through(toy, tmp_path, monkeypatch):
     """The control: every breakage above and in ``test_weight_places_guard.py`` at once, guard
     off, the log-prob limit out of the way: the run ends normally, so it is the guard that

@@ -15,7 +15,7 @@ they compute with them (a rotary base, a compute dtype, a kernel the digests can
   engine's limit comes from its own first checked probe of the run (``ACTOR_FACTOR`` times
   it, at least ``ACTOR_FLOOR``), and never above ``ACTOR_CAP``, which also bounds the first.
 
-Pure Python: the driver's trainer and the tests share it.
+No OpenRLHF, vLLM or Ray import: the driver's trainer and the tests share it.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from drpo_openrlhf.algo.logprob_gap import probe_gap
 
 PROBE_TOKENS = 1024  # long enough for position faults (rotary base, scaling) to show
 ENGINE_TOLERANCE = 1e-6  # nats: largest per-token difference between identical engines
-ACTOR_FACTOR = 10.0  # an engine's limit against the actor: this many times its first gap...
+ACTOR_FACTOR = 4.0  # an engine's limit against the actor: this many times its first gap...
 ACTOR_FLOOR = 0.005  # ...at least this (nats per token), so an exact kernel match cannot stop
 ACTOR_CAP = 0.2  # ...and at most this: about 4x the largest honest gap measured (0.046)
 GUARDS = ("all", "engines", "actor", "log")  # --drpo.weight_probe: which comparisons stop
@@ -86,7 +86,7 @@ def engine_disagreements(scores: list[list[float]], tolerance: float = ENGINE_TO
         if group is reference:
             continue
         for i in group:
-            others = [j for j in range(count) if j not in group]
+            others = reference or [j for j in range(count) if j not in group]
             worst = max(others, key=lambda j: diff[i][j])
             against = f"engines {_listed(reference)}" if reference else "every other engine"
             problems.append(

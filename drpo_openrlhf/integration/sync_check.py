@@ -263,23 +263,21 @@ class VerifiedSyncTrainer:
         guard = self.args.drpo_run.weight_probe
         result = compare_probe(actor, engines, self._probe_limits, guard)
         self._probe_metrics = result.metrics()
-        lines = [
-            f"weight probe {when}: |vLLM - actor| log-prob over {len(actor)} fixed tokens: "
-            + ", ".join(
-                f"engine {i} mean {m:.3g} max {x:.3g}" for i, (m, x) in enumerate(result.gaps)
-            )
-            + (f"; engines differ by up to {result.engine_spread:.3g}" if len(engines) > 1 else ""),
-            *result.notes,
-        ]
+        gaps = ", ".join(
+            f"engine {i} mean {m:.3g} max {x:.3g}" for i, (m, x) in enumerate(result.gaps)
+        )
+        spread = f"; engines differ by up to {result.engine_spread:.3g}" if len(engines) > 1 else ""
+        summary = f"|vLLM - actor| log-prob over {len(actor)} fixed tokens: {gaps}{spread}"
+        lines = [f"weight probe {when}: {summary}", *result.notes]
         print("\n".join(f"drpo_openrlhf: {line}" for line in lines), flush=True)
         if result.problems:
             raise WeightProbeError(
                 f"weight probe {when} failed (--drpo.weight_probe {guard}):\n  "
                 + "\n  ".join(result.problems)
-                + "\nThe digests found every engine's weights exact, so an engine computes with "
-                "them otherwise (rotary base or scaling, dtype, attention kernel, quantization). "
-                "Engines meant to differ: --drpo.weight_probe actor (from each other), engines "
-                "(from the actor) or log (docs/reliability.md, Weight probe)."
+                + f"\n({summary})\nThe digests found every engine's weights exact, so an "
+                "engine computes with them otherwise (rotary base or scaling, dtype, attention "
+                "kernel, quantization). Engines meant to differ: --drpo.weight_probe actor (from "
+                "each other), engines (from the actor) or log (docs/reliability.md)."
             )
 
     def train_step(self, rollout_samples, global_step: int):

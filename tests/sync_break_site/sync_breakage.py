@@ -10,8 +10,15 @@ is ``--train.seed`` (42) + ``i`` (OpenRLHF's ``create_vllm_engines``).
 - ``"permute": NAME``: load NAME with its rows in reverse order;
 - ``"transpose": NAME``: load the square matrix NAME transposed;
 - ``"lag": true``: from the second sync on, load each tensor of the sync before;
+- ``"from_sync": N``: the breakages above start at the N-th sync (default 1), so a run
+  can train normally first;
 - ``"start_from": PATH``: vLLM loads the model's first weights from the checkpoint in PATH
   instead of the one it was started with (the actor's).
+
+Faults in what the engine computes, which its weights (and so the digests) do not show:
+
+- ``"rope_theta": FACTOR``: the rotary embeddings' base times FACTOR (a wrong ``rope_theta``);
+- ``"fp16_linear": true``: the linear layers compute in fp16 (the weights stay bf16).
 """
 
 from __future__ import annotations
@@ -50,13 +57,59 @@ def _start_from_another_checkpoint() -> None:
     DefaultModelLoader.get_all_weights = from_checkpoint
 
 
+def _compute_otherwise(model, breakage: dict) -> None:
+    import torch.nn.functional as F
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
+
+    factor = breakage.get("rope_theta")
+    rotaries = {id(m): m for m in model.modules() if isinstance(m, RotaryEmbeddingBase)}
+    for rotary in rotaries.values() if factor else ():  # vLLM shares one among the layers
+        rotary.base *= factor
+        cache = rotary.cos_sin_cache
+        rotary.cos_sin_cache = rotary._compute_cos_sin_cache().to(cache.device, cache.dtype)
+        if getattr(rotary, "cos_sin_cache_bf16", None) is not None:
+            rotary.cos_sin_cache_bf16 = rotary.cos_sin_cache.bfloat16()
+    if factor:
+        print(f"SYNC BREAK: rotary base x {factor} in {len(rotaries)} module(s)", flush=True)
+    if breakage.get("fp16_linear"):
+        layers = [m for m in model.modules() if hasattr(m, "cpu_linear")]
+
+        def half(x, weight, bias):
+            bias = None if bias is None else bias.half()
+            return F.linear(x.half(), weight.half(), bias).to(x.dtype)
+
+        for layer in layers:
+            layer.cpu_linear = half
+        print(f"SYNC BREAK: {len(layers)} linear layers compute in fp16", flush=True)
+
+
+def _load_model_then_break() -> None:
+    """Apply ``rope_theta`` / ``fp16_linear`` to the engine's model once vLLM has built it
+    (after ``process_weights_after_loading``, which sets each linear layer's CPU kernel)."""
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    load_model = BaseModelLoader.load_model
+
+    def load_then_break(self, vllm_config, model_config, prefix=""):
+        model = load_model(self, vllm_config, model_config, prefix=prefix)
+        _compute_otherwise(model, _table().get(str(model_config.seed - BASE_SEED), {}))
+        return model
+
+    BaseModelLoader.load_model = load_then_break
+
+
 def install(worker_class) -> None:
     _start_from_another_checkpoint()
+    _load_model_then_break()
 
     def update_weight(self, name, dtype, shape, empty_cache=False):
         weight = torch.empty(shape, dtype=dtype, device=self.device)
         self._model_update_group.broadcast(weight, src=0)
         breakage = _breakage(self)
+        syncs = self.__dict__.setdefault("_syncs", {})  # how many times NAME was received
+        syncs[name] = syncs.get(name, 0) + 1
+        if syncs[name] < breakage.get("from_sync", 1):
+            breakage = {}
         if breakage.get("nothing") or breakage.get("skip") == name:
             print(f"SYNC BREAK: {name} not loaded", flush=True)
             return
