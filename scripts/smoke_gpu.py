@@ -218,6 +218,9 @@ def trained_outcome(out: Path, base: Path) -> Outcome:
     gaps = logged.get("train/drpo/rollout_logprob_gap", {})
     if not gaps or max(gaps.values()) >= 0.05:
         problems.append(f"rollout log-prob gap {gaps} (vLLM is not sampling the actor's weights)")
+    probe = logged.get("train/drpo/probe_logprob_gap", {})
+    if sorted(probe) != [1, 2]:  # the GPU run sleeps: the probe runs as the engines wake
+        problems.append(f"weight probe {probe} (want it logged at steps 1 and 2)")
     if not (out / "ckpt" / "_actor" / "global_step2").is_dir():
         problems.append("no checkpoint at step 2")
     final = out / "model" / "model.safetensors"

@@ -66,14 +66,16 @@ TIMING = {
 }
 
 
-def finished_run(out: Path, final: dict[str, torch.Tensor]) -> None:
-    """What a healthy 2-step run leaves (logs, checkpoint), with ``final`` as its model."""
+def finished_run(out: Path, final: dict[str, torch.Tensor], probed: bool = True) -> None:
+    """What a healthy 2-step run leaves (logs, checkpoint), with ``final`` as its model;
+    ``probed=False``: a run whose weight probe never ran."""
     from safetensors.torch import save_file
     from torch.utils.tensorboard import SummaryWriter
 
     with SummaryWriter(out / "tb") as writer:
         for step in (1, 2):
-            for tag in ("valid_prompt_fraction", "objective", "kl", "rollout_logprob_gap"):
+            tags = ("valid_prompt_fraction", "objective", "kl", "rollout_logprob_gap")
+            for tag in (*tags, "probe_logprob_gap") if probed else tags:
                 writer.add_scalar(f"train/drpo/{tag}", 0.01, step)
             for phase, seconds in TIMING.items():
                 writer.add_scalar(f"train/timing/{phase}", seconds[step - 1], step)
@@ -97,6 +99,16 @@ def test_a_run_that_saved_its_base_in_bf16_did_not_train(tmp_path):
     assert not untrained.passed and "the final model equals the base" in untrained.detail
     finished_run(tmp_path / "trained", {"w": (base["w"] + 0.01).to(torch.bfloat16)})
     assert smoke_gpu.trained_outcome(tmp_path / "trained", tmp_path / "base").passed
+
+
+def test_a_run_whose_weight_probe_never_ran_fails(tmp_path):
+    from safetensors.torch import save_file
+
+    (tmp_path / "base").mkdir()
+    save_file({"w": torch.zeros(4)}, tmp_path / "base" / "model.safetensors")
+    finished_run(tmp_path / "run", {"w": torch.ones(4)}, probed=False)
+    outcome = smoke_gpu.trained_outcome(tmp_path / "run", tmp_path / "base")
+    assert not outcome.passed and "weight probe {} (want it logged" in outcome.detail
 
 
 def test_a_run_reports_its_step_times_and_each_phase_share(tmp_path):
