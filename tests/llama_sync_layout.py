@@ -87,7 +87,7 @@ def main(model_dir: str) -> None:
     problems, loads = sync(sent)
     without_head, _ = sync({n: t for n, t in sent.items() if n != "lm_head.weight"})
     result = {"problems": problems, "loads": loads, "without_head": without_head}
-    result.update(mapped=len(loaded), names=len(shapes), same_map=layout == one_by_one)
+    result.update(mapped=len(set(loaded)), names=len(shapes), same_map=layout == one_by_one)
     print(json.dumps(result))
 
 

@@ -12,14 +12,18 @@ from drpo_openrlhf.integration.weight_digest import (
     Block,
     Digest,
     LayoutError,
+    Trace,
     WeightSyncError,
     WorkerReport,
     as_matrix,
-    block_from_positions,
+    block_from_traces,
     check_sync,
     digest,
+    digit_passes,
+    digit_tensor,
     engine_problems,
     splitmix64,
+    trace,
 )
 
 
@@ -82,20 +86,75 @@ def test_pieces_at_their_sent_positions_add_up():
     assert digest(q) * 3 == digest(q) + digest(q) + digest(q)
 
 
+def map_block(src: tuple[int, ...], param: tuple[int, ...], load) -> Block | None:
+    """The block ``load(stand_in, sent)`` writes, mapped as a vLLM worker maps it: one load per
+    digit pass into a zeroed uint8 stand-in of the parameter."""
+    traces = []
+    for axis, digit in digit_passes(src):
+        stand_in = torch.zeros(param, dtype=torch.uint8)
+        load(stand_in, digit_tensor(src, axis, digit))
+        traces.append(trace(as_matrix(stand_in), axis, "x"))
+    return block_from_traces(traces, src, "x")
+
+
 def test_layout_is_read_from_what_a_loader_wrote():
-    src = (6, 4)
-    positions = torch.arange(1, 25, dtype=torch.int32).view(src)
-    param = torch.zeros(8, 2, dtype=torch.int32)
-    param[2:8] = positions[:, 2:]  # column shard 1 of 2, after two other rows
-    assert block_from_positions(param, torch.Size(src), "x") == Block(2, 0, 6, 2, 0, 2, 4)
-    padded = torch.zeros(8, 4, dtype=torch.int32)
-    padded[:3] = positions[3:]  # vocabulary rows 3..5 on this rank, zero padding after
-    assert block_from_positions(padded, torch.Size(src), "x") == Block(0, 0, 3, 4, 3, 0, 4)
-    for wrong in (positions.flip(0), positions.t().reshape(6, 4), positions.roll(1, 1)):
+    src = (300, 4)  # row indices of two base-255 digits
+    assert digit_passes(src) == [(0, 0), (0, 1), (1, 0)]
+    assert [len(digit_passes((n,))) for n in (1, 255, 256, 255**2, 255**2 + 1)] == [2, 2, 3, 3, 4]
+
+    def column_shard(param, sent):  # shard 1 of 2, after two rows of another tensor
+        param[2:302] = sent[:, 2:]
+
+    def vocabulary_shard(param, sent):  # rows 297..299 on this rank, padding after
+        param[:3] = sent[297:]
+        param[3:] = 0
+
+    def through_bf16(param, sent):  # a loader that casts to the weights' dtype first
+        param.copy_(sent.to(torch.bfloat16))
+
+    assert map_block(src, (310, 2), column_shard) == Block(2, 0, 300, 2, 0, 2, 4)
+    assert map_block(src, (8, 4), vocabulary_shard) == Block(0, 0, 3, 4, 297, 0, 4)
+    assert map_block(src, src, through_bf16) == Block(0, 0, 300, 4, 0, 0, 4)
+    assert map_block((2, 3, 4), (2, 12), lambda p, s: p.copy_(s.reshape(2, 12))).cols == 12
+    assert map_block(src, (2, 2), lambda p, s: None) is None  # a rank of padding only
+    wrong = {
+        (300, 4): lambda p, s: p.copy_(s.flip(0)),  # rows permuted
+        (4, 300): lambda p, s: p.copy_(s.t()),  # transposed
+        (300, 5): lambda p, s: p[:, 1:].copy_(s.roll(1, 1)),  # columns rotated
+        (301, 4): lambda p, s: (p[:5].copy_(s[:5]), p[6:].copy_(s[5:])),  # a row skipped
+        (1200,): lambda p, s: p.copy_(s.reshape(-1)),  # flattened
+    }
+    for param, load in wrong.items():
         with pytest.raises(LayoutError, match="one rectangle of it in order"):
-            block_from_positions(wrong, torch.Size(src), "x")
-    assert block_from_positions(torch.zeros(2, 2, dtype=torch.int32), torch.Size(src), "") is None
+            map_block(src, param, load)
     assert as_matrix(torch.zeros(2, 3, 4)).shape == (2, 12)
+
+
+def test_a_trace_is_one_filled_rectangle_of_one_digit_per_row_or_column():
+    written = torch.zeros(5, 4, dtype=torch.uint8)
+    written[1:4, 1:] = torch.tensor([7, 8, 9], dtype=torch.uint8)[:, None]
+    found = trace(written, 0, "x")
+    assert (found.row, found.col, found.rows, found.cols) == (1, 1, 3, 3)
+    assert found.digits.tolist() == [7, 8, 9]
+    assert trace(written.t(), 1, "x").digits.tolist() == [7, 8, 9]
+    assert trace(torch.zeros(5, 4, dtype=torch.uint8), 0, "x") is None
+    for axis, row, col, value in [(0, 2, 2, 5), (0, 2, slice(None), 0), (1, 1, 1, 0)]:
+        broken = written.clone()
+        broken[row, col] = value  # a row of two digits / an empty row / a hole
+        with pytest.raises(LayoutError, match="'w' into p: the loader did not copy"):
+            trace(broken if axis == 0 else broken.t(), axis, "'w' into p")
+
+
+def test_every_pass_must_write_the_same_rectangle():
+    def rows(row: int) -> Trace:
+        return Trace(row, 0, 2, 3, torch.tensor([1, 2], dtype=torch.uint8))
+
+    column = Trace(0, 0, 2, 3, torch.tensor([1, 2, 3], dtype=torch.uint8))
+    assert block_from_traces([rows(0), column], (2, 3), "x") == Block(0, 0, 2, 3, 0, 0, 3)
+    for traces in ([rows(1), column], [rows(0), None], [None, column]):
+        with pytest.raises(LayoutError, match="other elements from one load to the next"):
+            block_from_traces(traces, (2, 3), "x")
+    assert block_from_traces([None, None], (2, 3), "x") is None
 
 
 # A two-layer "model": HF names q,k,v,o per layer; vLLM fuses q,k,v into qkv.

@@ -12,6 +12,8 @@ call them. Heads are scaled down in size, not in number."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -22,7 +24,10 @@ from vllm.model_executor.layers import linear, vocab_parallel_embedding
 
 from drpo_openrlhf.integration.sync_check import worker_report
 from drpo_openrlhf.integration.vllm_sync_worker import WeightSyncRecorder
-from drpo_openrlhf.integration.weight_digest import digest, engine_problems
+from drpo_openrlhf.integration.weight_digest import LayoutError, digest, engine_problems
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from bench_weight_map import allocator_peak
 
 HEAD, HIDDEN, FFN, VOCAB = 2, 8, 16, 150  # vocabulary padded to 64 per rank by vLLM
 MODELS = {  # (q heads, KV heads) of the recipes' models
@@ -226,3 +231,47 @@ def test_layers_reuse_the_first_layers_map_only_where_it_holds(odd):
         assert problems == []
     else:
         assert len(problems) == 1 and "'model.layers.2.w'" in problems[0], problems
+
+
+def test_the_map_holds_one_byte_per_element_of_the_largest_parameter(monkeypatch):
+    """The layout map's peak of host memory, by torch's CPU allocator (every tensor the map or
+    vLLM's loaders allocate), is one byte per element of the largest parameter and a few
+    vectors per row and column, whatever the rest of the model: uint8 stand-ins in one reused
+    buffer (freed with the map done), broadcast digit tensors, each stand-in reduced to
+    vectors. Full-size int32
+    position tensors took about 17 bytes per element of the largest, here the embedding."""
+    monkeypatch.setitem(globals(), "HIDDEN", 256)
+    monkeypatch.setitem(globals(), "VOCAB", 4096)  # embedding and LM head: 1M elements each
+    tensor_parallel(monkeypatch, 0, 1)
+    heads, kv_heads = MODELS["R1-Distill-Qwen-1.5B"]
+    worker = Worker(OneLayerModel(heads, kv_heads))
+    weights = hf_weights(heads, kv_heads, 0)
+    _, peak, kept = allocator_peak(
+        lambda: worker.map_weight_layout({n: tuple(t.shape) for n, t in weights.items()})
+    )
+    largest = max(p.numel() for p in worker.model_runner.model.parameters())
+    assert largest == VOCAB * HIDDEN
+    assert largest <= peak <= largest + 64 * (VOCAB + HIDDEN), (peak, largest)
+    assert kept == 0  # the map is plain numbers: its stand-ins and vectors are all freed
+    assert sync([worker], [weights], weights) == []
+
+
+class ByValue(nn.Module):
+    """Loads a tensor into ``a`` or ``b`` depending on one of its values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Parameter(torch.zeros(4, 3)), nn.Parameter(torch.zeros(4, 3))
+
+    def load_weights(self, weights) -> None:
+        for _, tensor in weights:
+            param = self.a if int(tensor[-1, 0]) % 2 else self.b
+            param.weight_loader(param, tensor)
+
+
+def test_a_loader_that_places_by_value_is_refused():
+    """The map sends other values in each pass, and rests on loaders placing elements
+    whatever their values; one that does not is refused when it shows, at start-up."""
+    worker = Worker(ByValue())
+    with pytest.raises(LayoutError, match="'w': vLLM's loaders put it into other parameters"):
+        worker.map_weight_layout({"w": (4, 3)})

@@ -9,15 +9,19 @@ vLLM model loader ends in), so a tensor that never reaches a parameter, or reach
 one, shows.
 
 Places come from vLLM's own loaders: ``map_weight_layout`` (once, before the first rollout)
-passes each of the actor's tensor names through the model's ``load_weights`` with a tensor
-holding ``1 + position`` at each position, and lets each parameter's loader write it into a
-zeroed integer stand-in of the parameter (on the CPU, the real parameter untouched). What
-the loader wrote says which block of the parameter holds which block of the sent tensor
+passes each of the actor's tensor names through the model's ``load_weights`` a few times,
+each time with a tensor holding one base-255 digit of each element's row or column index
+(``weight_digest.digit_tensor``), and lets each parameter's loader write it into a zeroed
+uint8 stand-in of the parameter (on the CPU, the real parameter untouched). What the loader
+wrote in all passes says which block of the parameter holds which block of the sent tensor
 (renamed, fused into ``qkv_proj`` / ``gate_up_proj``, sharded by rows or columns, KV heads
-replicated, vocabulary padded): ``weight_digest.Block``. Decoder layers load alike, so once a
-tensor's first two layers map to the same places (layer index aside), the other layers reuse
-that map instead of running the loaders again: the map then costs two layers and the
-embeddings, not the whole model (about 2.5 min per worker at 7B before, docs/performance.md).
+replicated, vocabulary padded): ``weight_digest.Block``. The digit tensor is one row or column
+broadcast, and each stand-in is reduced to its ``Trace`` (vectors) as soon as its loader
+returns, so the map's host memory peaks at about one byte per element of the largest
+parameter (549 MB at the 7B's shapes, where full-size position tensors took 9.27 GB:
+docs/performance.md). Decoder layers load alike, so once a tensor's first two layers map to
+the same places (layer index aside), the other layers reuse that map instead of running the
+loaders again: the map then costs two layers and the embeddings, not the whole model.
 """
 
 from __future__ import annotations
@@ -33,8 +37,13 @@ from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
 from drpo_openrlhf.integration.weight_digest import (
     Block,
     Digest,
+    LayoutError,
+    Trace,
     as_matrix,
-    block_from_positions,
+    block_from_traces,
+    digit_passes,
+    digit_tensor,
+    trace,
 )
 
 
@@ -52,20 +61,15 @@ def in_layer(name: str, layer: str) -> str:
     return LAYER.sub(f".layers.{layer}.", name, count=1)
 
 
-def position_tensor(shape: tuple[int, ...]) -> torch.Tensor:
-    """``1 + position`` at each row-major position of ``shape`` (int32 where it fits)."""
-    numel = math.prod(shape)
-    dtype = torch.int32 if numel < 2**31 - 1 else torch.int64
-    return torch.arange(1, numel + 1, dtype=dtype).reshape(shape)
-
-
 class WeightSyncRecorder:
     """Worker-extension mixin: maps where each sent tensor lives, records each sync's loads
     and digests what the model holds."""
 
     _drpo_loads: dict[str, list[tuple[str, str]]] | None = None
     _drpo_current: str | None = None
-    _drpo_shapes: dict[str, tuple[int, ...]] | None = None  # set while mapping
+    _drpo_traces: list[tuple[str, Trace | None]] | None = None  # set while mapping
+    _drpo_axis = 0  # of the digits being mapped
+    _drpo_buffer: torch.Tensor | None = None  # the stand-ins' memory while mapping
     _drpo_layout: dict[str, list[tuple[str, Block | None]]] | None = None
 
     def _drpo_model(self) -> torch.nn.Module:
@@ -100,8 +104,10 @@ class WeightSyncRecorder:
         @functools.wraps(loader)
         def recording(param, loaded_weight, *args, **kwargs):
             name = self._drpo_current
-            if self._drpo_shapes is not None and name is not None:
-                return self._drpo_map(name, param_name, loader, param, loaded_weight, args, kwargs)
+            if self._drpo_traces is not None and name is not None:
+                return self._drpo_trace(
+                    name, param_name, loader, param, loaded_weight, args, kwargs
+                )
             if self._drpo_loads is not None and name is not None:
                 place = (param_name, _shard_label(args, kwargs))
                 self._drpo_loads.setdefault(name, []).append(place)
@@ -109,21 +115,48 @@ class WeightSyncRecorder:
 
         return recording
 
-    def _drpo_map(self, name, param_name, loader, param, positions, args, kwargs) -> None:
-        """Run ``loader`` with ``positions`` into a zeroed integer stand-in of ``param`` and
-        keep the block it wrote."""
-        stand_in = torch.zeros(param.shape, dtype=positions.dtype)
+    def _drpo_trace(self, name, param_name, loader, param, digits, args, kwargs) -> None:
+        """Run ``loader`` with ``digits`` into a zeroed uint8 stand-in of ``param`` and keep
+        the ``Trace`` of what it wrote (the stand-in's memory goes to the next call)."""
+        stand_in = self._drpo_stand_in(param.shape)
         real, grad = param.data, param.requires_grad
         param.requires_grad_(False)  # an integer stand-in cannot require gradients
         param.data = stand_in
         try:
-            loader(param, positions, *args, **kwargs)
+            loader(param, digits, *args, **kwargs)
         finally:
             param.data = real
             param.requires_grad_(grad)
         where = f"{name!r} into vLLM parameter {param_name!r}"
-        block = block_from_positions(as_matrix(stand_in), self._drpo_shapes[name], where)
-        self._drpo_layout.setdefault(name, []).append((param_name, block))
+        self._drpo_traces.append((param_name, trace(as_matrix(stand_in), self._drpo_axis, where)))
+
+    def _drpo_stand_in(self, shape: torch.Size) -> torch.Tensor:
+        """A zeroed uint8 tensor of ``shape`` in memory kept from one loader call to the next
+        and grown to the largest parameter: a fresh one per call would be page-faulted anew
+        (about 1 s per pass of a 7B's embedding)."""
+        numel = math.prod(shape)
+        if self._drpo_buffer is None or self._drpo_buffer.numel() < numel:
+            self._drpo_buffer = None  # freed before the larger one is allocated
+            self._drpo_buffer = torch.empty(numel, dtype=torch.uint8)
+        return self._drpo_buffer[:numel].view(shape).zero_()
+
+    def _drpo_map(self, name: str, shape: tuple[int, ...]) -> None:
+        """Load ``name`` once per digit pass and keep the block each loader call wrote; a
+        loader that sends it to other parameters from one pass to the next places it by its
+        values, which no map can follow."""
+        calls = []  # per pass: (parameter, trace) per loader call
+        for axis, digit in digit_passes(shape):
+            self._drpo_traces, self._drpo_axis = [], axis
+            self._drpo_model().load_weights(weights=[(name, digit_tensor(shape, axis, digit))])
+            calls.append(self._drpo_traces)
+        self._drpo_traces = None
+        params = [param for param, _ in calls[0]]
+        if any([param for param, _ in call] != params for call in calls):
+            raise LayoutError(f"{name!r}: vLLM's loaders put it into other parameters per load")
+        for i, param in enumerate(params):
+            where = f"{name!r} into vLLM parameter {param!r}"
+            block = block_from_traces([call[i][1] for call in calls], shape, where)
+            self._drpo_layout.setdefault(name, []).append((param, block))
 
     def map_weight_layout(self, shapes: dict[str, tuple[int, ...]]) -> None:
         """Find, through vLLM's loaders, the block(s) of this worker's parameters that hold
@@ -134,7 +167,7 @@ class WeightSyncRecorder:
         self._drpo_instrument()
         model = self._drpo_model()
         params = dict(model.named_parameters())
-        self._drpo_layout, self._drpo_shapes = {}, dict(shapes)
+        self._drpo_layout = {}
         first: dict[tuple[str, tuple[int, ...]], str] = {}  # per tensor kind: its first layer
         alike: set[tuple[str, tuple[int, ...]]] = set()
         try:
@@ -143,7 +176,7 @@ class WeightSyncRecorder:
                     kind = (in_layer(name, "*"), tuple(shape)) if LAYER.search(name) else None
                     if kind in alike and self._drpo_reuse(first[kind], name, params):
                         continue
-                    model.load_weights(weights=[(name, position_tensor(tuple(shape)))])
+                    self._drpo_map(name, tuple(shape))
                     if kind is None:
                         continue
                     if kind not in first:
@@ -151,7 +184,7 @@ class WeightSyncRecorder:
                     elif self._drpo_layout.get(name) == self._drpo_moved(first[kind], name):
                         alike.add(kind)
         finally:
-            self._drpo_shapes = None
+            self._drpo_traces = self._drpo_buffer = None
 
     def _drpo_moved(self, source: str, name: str) -> list[tuple[str, Block | None]] | None:
         """``source``'s map with its parameters moved to ``name``'s decoder layer."""

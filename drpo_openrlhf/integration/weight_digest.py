@@ -121,34 +121,104 @@ class LayoutError(RuntimeError):
     """A vLLM loader put a sent tensor into a parameter in a way ``Block`` cannot describe."""
 
 
-def block_from_positions(written: torch.Tensor, src_shape: torch.Size, where: str) -> Block | None:
-    """The ``Block`` a loader wrote, from ``written``: the parameter (``as_matrix``) after the
-    loader filled it from a tensor holding ``1 + position`` at each position, 0 where it wrote
-    nothing (vocabulary padding); None if it wrote nothing (a rank whose vocabulary shard is
-    all padding). Raises ``LayoutError`` unless the written elements form one rectangle holding
-    a rectangle of the sent tensor in order."""
-    hit = written > 0
-    rows = hit.any(dim=1).nonzero().flatten()
-    cols = hit.any(dim=0).nonzero().flatten()
+BASE = 255  # a digit d is sent as 1 + d in uint8, so that 0 is what no loader wrote
+
+
+def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    """The shape of a tensor of ``shape`` seen ``as_matrix``."""
+    rows, cols = as_matrix(torch.empty(shape, device="meta")).shape
+    return rows, cols
+
+
+def digit_passes(shape: tuple[int, ...]) -> list[tuple[int, int]]:
+    """``(axis, digit)`` of each load that maps a sent tensor of ``shape``: every base-255
+    digit of its row indices (axis 0), then of its column indices (axis 1), lowest first."""
+    passes = []
+    for axis, n in enumerate(matrix_shape(shape)):
+        digits = 1
+        while BASE**digits < n:
+            digits += 1
+        passes += [(axis, digit) for digit in range(digits)]
+    return passes
+
+
+def digit_tensor(shape: tuple[int, ...], axis: int, digit: int) -> torch.Tensor:
+    """A uint8 tensor of ``shape`` holding at each element ``1 +`` the ``digit``-th base-255
+    digit of its row (``axis`` 0) or column (1) index in the ``as_matrix`` frame. It is one
+    column or row of memory broadcast over the other axis: loaders narrow and copy it like a
+    weight, so only the parameter-sized stand-in it is copied into costs memory, one byte per
+    element; and values up to 255 survive any dtype a loader may cast through (bf16 holds the
+    integers up to 256), where a position would not."""
+    rows, cols = matrix_shape(shape)
+    values = (torch.arange((rows, cols)[axis]) // BASE**digit % BASE + 1).to(torch.uint8)
+    frame = values[:, None] if axis == 0 else values[None, :]
+    return frame.expand(rows, cols).reshape(shape)
+
+
+@dataclass(frozen=True)
+class Trace:
+    """What one loader call wrote from a ``digit_tensor`` into a zeroed stand-in of its
+    parameter (``as_matrix``): the rectangle of the parameter it wrote, and the one digit
+    each of the rectangle's rows (a row digit) or columns (a column digit) holds."""
+
+    row: int
+    col: int
+    rows: int
+    cols: int
+    digits: torch.Tensor = field(compare=False)
+
+
+def trace(written: torch.Tensor, axis: int, where: str) -> Trace | None:
+    """The ``Trace`` of ``written``, a stand-in after a loader copied a ``digit_tensor`` of
+    ``axis`` into it; None if the loader wrote nothing (a rank whose vocabulary shard is all
+    padding). Raises ``LayoutError`` unless the written elements form one rectangle whose rows
+    (``axis`` 0) or columns (1) each hold one digit. Three reductions of the uint8 stand-in,
+    no temporary of its size (a boolean mask's sum would copy it to int64)."""
+    row_max, col_max = written.amax(dim=1), written.amax(dim=0)
+    rows, cols = row_max.nonzero().flatten(), col_max.nonzero().flatten()
     if rows.numel() == 0:
         return None
     row, col = int(rows[0]), int(cols[0])
     n_rows, n_cols = int(rows[-1]) - row + 1, int(cols[-1]) - col + 1
-    src_cols = as_matrix(torch.empty(src_shape, device="meta")).shape[1]
-    first = int(written[row, col]) - 1
-    block = Block(row, col, n_rows, n_cols, first // src_cols, first % src_cols, src_cols)
-    in_order = int(hit.sum()) == n_rows * n_cols
-    cols = torch.arange(n_cols, dtype=torch.int64)[None, :] + block.src_col + 1
-    step = max(1, CHUNK // n_cols)
-    for start in range(0, n_rows if in_order else 0, step):
-        held = written[row + start : row + min(n_rows, start + step), col : col + n_cols]
-        src_rows = torch.arange(held.shape[0], dtype=torch.int64) + block.src_row + start
-        if not torch.equal(held.to(torch.int64), src_rows[:, None] * src_cols + cols):
-            in_order = False
-            break
-    if not in_order:
+    held = written[row : row + n_rows, col : col + n_cols]
+    # nothing is written outside the rectangle, so its rows' (columns') maxima are the
+    # rectangle's; each must be nonzero and also the row's (column's) minimum
+    digits = row_max[row : row + n_rows] if axis == 0 else col_max[col : col + n_cols]
+    if not (bool(digits.all()) and torch.equal(held.amin(dim=1 - axis), digits)):
         raise LayoutError(f"{where}: the loader did not copy one rectangle of it in order")
-    return block
+    return Trace(row, col, n_rows, n_cols, digits.clone())
+
+
+def block_from_traces(
+    traces: list[Trace | None], src_shape: tuple[int, ...], where: str
+) -> Block | None:
+    """The ``Block`` one loader call wrote, from its ``Trace`` in each of
+    ``digit_passes(src_shape)``; None if it wrote nothing. Every pass wrote the same
+    rectangle, one digit per row (row passes) or per column (column passes), so each row of
+    it came from one row of the sent tensor, each column from one column: the block holds the
+    sent tensor's rectangle in order if those rows and those columns are consecutive. That
+    rests on one premise, a loader moves elements whatever their values, which any map that
+    runs the loaders shares. Raises ``LayoutError`` otherwise."""
+    if all(t is None for t in traces):
+        return None
+    first = next(t for t in traces if t is not None)
+    index = [torch.zeros(first.rows, dtype=torch.int64), torch.zeros(first.cols, dtype=torch.int64)]
+    for (axis, digit), found in zip(digit_passes(src_shape), traces, strict=True):
+        if found != first:  # another rectangle than the first pass's (digits aside)
+            raise LayoutError(f"{where}: the loader wrote other elements from one load to the next")
+        index[axis] += (found.digits.to(torch.int64) - 1) * BASE**digit
+    if not all(torch.equal(i, i[0] + torch.arange(len(i))) for i in index):
+        raise LayoutError(f"{where}: the loader did not copy one rectangle of it in order")
+    src_rows, src_cols = index
+    return Block(
+        first.row,
+        first.col,
+        first.rows,
+        first.cols,
+        int(src_rows[0]),
+        int(src_cols[0]),
+        matrix_shape(src_shape)[1],
+    )
 
 
 @dataclass
