@@ -191,11 +191,13 @@ def add_drpo_arguments(parser: argparse.ArgumentParser) -> None:
         "--drpo.max_logprob_gap",
         type=float,
         default=None,
-        help="stop the run when vLLM's rollout token log-probs differ from the actor's by more "
-        "than this many nats on average (a stale or broken weight sync); logged as "
-        "drpo/rollout_logprob_gap. Default: 10 x the gap of the run's first rollout, whose "
-        "weights are checked exactly (at least 0.005; 0.05 with --no-drpo.verify_weight_sync); "
-        "docs/cpu.md",
+        help="stop the run when one vLLM engine's rollout token log-probs differ from the "
+        "actor's by more than this many nats on average (a stale or broken weight sync, a "
+        "precision or kernel mismatch); logged as drpo/rollout_logprob_gap/engine_<i>. "
+        "Default: 10 x the honest gap of the run's first rollout, whose weights are checked "
+        "exactly (at least 0.005; that rollout must stay under 0.1; saved with the checkpoint, "
+        "and a resumed run's first rollout must stay within 3 x it; 0.05 with "
+        "--no-drpo.verify_weight_sync). Given, it replaces all of these; docs/reliability.md",
     )
     g.add_argument(
         "--drpo.verify_weight_sync",

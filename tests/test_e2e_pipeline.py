@@ -121,6 +121,8 @@ def assert_drpo_logged(tensorboard: Path, steps: int) -> dict[str, dict[int, flo
     for tag in ("train/drpo/objective", "train/drpo/kl", "train/drpo/positive_term"):
         assert all(math.isfinite(v) for v in logged[tag].values()), tag
     assert max(logged["train/drpo/rollout_logprob_gap"].values()) < 0.05
+    steps_logged = list(range(1, steps + 1))
+    assert sorted(logged["train/drpo/rollout_logprob_gap/engine_0"]) == steps_logged  # per engine
     return logged
 
 
@@ -185,6 +187,9 @@ def test_drpo_two_ranks_zero2_llama_with_eval_then_resume(toy_llama, ray_address
     # DeepSpeed's step-2 checkpoint (weights and optimizer state) and OpenRLHF's client state
     assert "Loading the checkpoint" in resumed.output and "'global_step': 2" in resumed.output
     assert max(read_scalars(out / "tb")["train/drpo/rollout_logprob_gap"].values()) < 0.05
+    # the honest log-prob gap of step 1 went with the checkpoint; the resumed run was held to it
+    assert "drpo_openrlhf: rollout log-prob gap after resuming: engine 0" in resumed.output
+    assert "saved with the checkpoint" in resumed.output
     # the checkpoint carried the DRPO settings: the changed lambda is named
     assert "resuming with DRPO settings" in resumed.output and "'lam': 0.1" in resumed.output
     assert (out / "ckpt" / "_actor" / "global_step3").is_dir()

@@ -18,6 +18,7 @@ from openrlhf.trainer.ppo_utils import samples_generator
 from openrlhf.utils.config import hierarchize
 from ray.exceptions import TaskCancelledError
 
+from drpo_openrlhf.algo.logprob_gap import GapLimit
 from drpo_openrlhf.integration import ray_actors
 from drpo_openrlhf.integration.graceful_stop import (
     STEP_TIMES_FILE,
@@ -76,6 +77,7 @@ def trainer(ckpt: Path) -> ray_actors._GroupAwarePPOTrainer:
     t.best_eval_metric_key = t.best_eval_metric_value = t._latest_eval_metric_value = None
     t.samples_generator = SimpleNamespace(canceller=RolloutCanceller(str(ckpt), cancel=print))
     t._step_times, t._finished = StepTimes(str(ckpt)), None
+    t._gap_limit = GapLimit(None, exact_start=True, honest=0.002, honest_step=1)
     return t
 
 
@@ -122,6 +124,7 @@ def test_a_stop_request_saves_that_step_through_openrlhf_and_ends_the_run(tmp_pa
     ((_, states),) = t.actor_model_group.saved
     # OpenRLHF's own save code ran: it adds its eval-metric states to ours
     assert states["global_step"] == 3 and "best_eval_metric_key" in states
+    assert states["logprob_gap"] == {"honest": 0.002, "step": 1}  # the resume is held to it
     assert t.tensorboard_logger.logged == [1, 2, 3] and t.tensorboard_logger.closed
     assert t.args.ckpt.save_steps == SAVE_STEPS  # the regular period is back
 
@@ -155,6 +158,7 @@ def test_a_request_before_the_update_saves_the_previous_step_as_it_ended(tmp_pat
     ((tag, states),) = t.actor_model_group.saved
     assert tag == "global_step3" and states["data_loader_state_dict"] == {"consumed": 12}
     assert "best_eval_metric_key" in states  # through OpenRLHF's own save code
+    assert states["logprob_gap"] == {"honest": 0.002, "step": 1}
     assert t.tensorboard_logger.logged == [1, 2, 3] and t.tensorboard_logger.closed
     assert t.args.ckpt.save_steps == SAVE_STEPS
 

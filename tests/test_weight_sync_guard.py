@@ -5,7 +5,10 @@ The breakage lives only in the tests: ``tests/sync_break_site`` on ``PYTHONPATH`
 CPU worker's ``update_weight`` when ``DRPO_TEST_SYNC_BREAK`` names a breakage per engine
 (``sync_breakage.py``). Each run starts its own Ray cluster so its workers inherit both.
 Every breakage must stop the run with the guard's message; with the guard off, the same
-breakages run to the end (exit 0), so it is the guard that stops them.
+breakages run to the end (exit 0), so it is the guard that stops them. Engines that hold the
+right weights but compute otherwise are the weight probe's (``--drpo.weight_probe``); its
+control is in the same run: the healthy engines beside them are not named, and the healthy
+engines of every other run here pass their probes.
 """
 
 from __future__ import annotations
@@ -162,8 +165,18 @@ def test_without_the_guard_the_same_breakages_run_through(toy, tmp_path, monkeyp
     ):
         assert any(marker in line for line in breaks_seen), marker
     assert GUARD not in done.output
-    gaps = read_scalars(tmp_path / "run" / "tb")["train/drpo/rollout_logprob_gap"]
+    logged = read_scalars(tmp_path / "run" / "tb")
+    gaps = logged["train/drpo/rollout_logprob_gap"]
     print("stale-policy rollout_logprob_gap per step:", gaps)
     assert sorted(gaps) == [1, 2, 3]
+    per_engine = [logged[f"train/drpo/rollout_logprob_gap/engine_{i}"] for i in (0, 1)]
+    print("per engine:", per_engine)
+    for step in (1, 2, 3):  # both engines generated every rollout; the pooled mean lies between
+        low, high = sorted(engine[step] for engine in per_engine)
+        assert low * (1 - 1e-6) <= gaps[step] <= high * (1 + 1e-6), (step, low, high)
+    # each engine's gap is its own: after the first sync engine 0 holds tensors skipped,
+    # renamed and in other places (nats off: 1.5 measured), engine 1 a stale policy (one
+    # step's change: 0.06 measured)
+    assert per_engine[0][2] > 0.5 > per_engine[1][2], per_engine
     assert derived_limit(gaps[1]) < max(gaps[2], gaps[3])
     assert gaps[1] < FALLBACK_LIMIT < max(gaps[2], gaps[3])

@@ -21,12 +21,18 @@ from openrlhf.trainer.ray import ppo_actor, vllm_engine
 from ray.exceptions import TaskCancelledError
 
 from drpo_openrlhf.algo import DRPOConfig
-from drpo_openrlhf.algo.logprob_gap import GapLimit, logprob_gap, pooled_gap
+from drpo_openrlhf.algo.logprob_gap import GapLimit, gaps_by_engine, pooled_gap
 from drpo_openrlhf.algo.shaper import GroupRewardShaper
 from drpo_openrlhf.integration import chunked_actor, engine_start
 from drpo_openrlhf.integration.actor_trainer import DRPOActorTrainer, FiniteCheckedPPOTrainer
 from drpo_openrlhf.integration.checkpoints import CompleteCheckpointActor
 from drpo_openrlhf.integration.cpu_support import CPU_WORKER_EXTENSION
+from drpo_openrlhf.integration.engine_tag import (
+    EngineTaggingEngine,
+    engine_tags,
+    pop_engine_tags,
+    tag_engines,
+)
 from drpo_openrlhf.integration.experience import GroupTaggingExperienceMaker
 from drpo_openrlhf.integration.graceful_stop import (
     RolloutCanceller,
@@ -54,7 +60,8 @@ from drpo_openrlhf.integration.sync_check import (
 from drpo_openrlhf.integration.vllm_sync_worker import GPU_WORKER_EXTENSION
 
 logger = logging.getLogger(__name__)
-DRPO_STATE, SHAPING_STATE = "drpo", "shaping"  # our keys in OpenRLHF's checkpoint client state
+# our keys in OpenRLHF's checkpoint client state
+DRPO_STATE, SHAPING_STATE, GAP_STATE = "drpo", "shaping", "logprob_gap"
 
 
 def warn_if_settings_changed(saved: dict | None, config: DRPOConfig) -> bool:
@@ -105,37 +112,32 @@ class _DRPOPolicyModelActor(
         return super().save_checkpoint(tag, states, metric_value, metric_key)
 
 
-class LogprobGapError(RuntimeError):
-    """vLLM's rollout log-probs are far from the actor's on the same weights."""
-
-
-def rollout_logprob_stats(experiences: list, limit: GapLimit) -> dict[str, float]:
-    """``drpo/rollout_logprob_gap`` (mean |vLLM - actor| token log-prob), its max over a
-    rollout and the limit that applied; raises ``LogprobGapError`` when the mean exceeds it."""
-    parts = [
-        logprob_gap(e.rollout_log_probs, e.action_log_probs, e.action_mask)
+def rollout_logprob_stats(experiences: list, limit: GapLimit, step: int) -> dict[str, float]:
+    """The rollout's mean |vLLM - actor| token log-prob gap per engine
+    (``drpo/rollout_logprob_gap/engine_<i>``), pooled over engines
+    (``drpo/rollout_logprob_gap``), its largest token (``_max``), the per-engine limit that
+    applied (``_limit``) and the honest gap it derives from (``_honest``); raises
+    ``LogprobGapError`` naming the engines over the limit and the step."""
+    batches = [
+        (engine_tags(e), e.rollout_log_probs, e.action_log_probs, e.action_mask)
         for e in experiences
         if e.rollout_log_probs is not None
     ]
-    if not parts:
+    gaps = gaps_by_engine(batches)
+    if not gaps:
         return {}
-    mean, largest = pooled_gap(parts)
-    max_gap, derived = limit.limit_for(mean)
-    if derived:
-        print(f"drpo_openrlhf: {derived}", flush=True)  # a Ray actor logs no INFO
-    if mean > max_gap:
-        honest = "not measured" if limit.honest is None else f"{limit.honest:.3g}"
-        raise LogprobGapError(
-            f"vLLM's rollout log-probs differ from the actor's by {mean:.3g} nats per token "
-            f"on average (max {largest:.3g}; limit {max_gap:.3g}, honest gap {honest}; "
-            "--drpo.max_logprob_gap): the engines are not sampling from the actor's weights "
-            "(broken weight sync) or run at another precision"
-        )
-    return {
+    limit_value, line = limit.check(gaps, step)
+    if line:
+        print(f"drpo_openrlhf: {line}", flush=True)  # a Ray actor logs no INFO
+    mean, largest = pooled_gap(gaps.values())
+    stats = {
         "drpo/rollout_logprob_gap": mean,
         "drpo/rollout_logprob_gap_max": largest,
-        "drpo/rollout_logprob_gap_limit": max_gap,
+        "drpo/rollout_logprob_gap_limit": limit_value,
     }
+    if limit.honest is not None:
+        stats["drpo/rollout_logprob_gap_honest"] = limit.honest
+    return stats | {f"drpo/rollout_logprob_gap/engine_{i}": g[0] for i, g in gaps.items()}
 
 
 def _sampling_params_with_logprobs(sampling_params):
@@ -241,6 +243,7 @@ class _GroupAwarePPOTrainer(VerifiedSyncTrainer, ppo_trainer.PPOTrainer.__ray_ac
         super().__init__(*args, **kwargs)
         run = self.args.drpo_run
         self._gap_limit = GapLimit(run.max_logprob_gap, run.verify_weight_sync)
+        tag_engines(self.vllm_engines)  # each response names its engine (per-engine gap)
         self._signal_watch = SignalWatch(run.max_steps_without_signal)
         bind_answer_format(self.vllm_engines, self.args)  # DRPO and the baselines alike
         if run.method:
@@ -267,7 +270,9 @@ class _GroupAwarePPOTrainer(VerifiedSyncTrainer, ppo_trainer.PPOTrainer.__ray_ac
 
     def _compute_rollout_stats(self, experiences):
         stats = super()._compute_rollout_stats(experiences)
-        stats.update(rollout_logprob_stats(experiences, self._gap_limit))
+        step = getattr(self, "_rollout_step", 0)
+        stats.update(rollout_logprob_stats(experiences, self._gap_limit, step))
+        pop_engine_tags(experiences)  # not a metric for the actors to log
         if self._shaper is not None:
             stats.update(advantage_signal_stats(experiences))
         stats.update(self._watch_signal(experiences))
@@ -288,7 +293,12 @@ class _GroupAwarePPOTrainer(VerifiedSyncTrainer, ppo_trainer.PPOTrainer.__ray_ac
         self._signal_watch.check()
         return self._signal_watch.stats()
 
+    def _with_gap_state(self, client_states: dict | None) -> dict:
+        """The honest log-prob gap goes with every checkpoint, so a resume is held to it."""
+        return {**(client_states or {}), GAP_STATE: self._gap_limit.state_dict()}
+
     def save_logs_and_checkpoints(self, global_step, logs_dict=None, client_states=None):
+        client_states = self._with_gap_state(client_states)
         if self._shaper is not None:
             client_states = {**(client_states or {}), SHAPING_STATE: self._shaper.state_dict()}
         stopping = stop_requested(self.args.ckpt.path)
@@ -312,6 +322,7 @@ class _GroupAwarePPOTrainer(VerifiedSyncTrainer, ppo_trainer.PPOTrainer.__ray_ac
                 raise _MaxStepsReached
 
     def save_best_checkpoint(self, eval_metrics, global_step, client_states=None):
+        client_states = self._with_gap_state(client_states)
         super().save_best_checkpoint(eval_metrics, global_step, client_states)
         if getattr(self, "_evaluate_then_stop", False):  # the last step's evaluation is done
             raise _MaxStepsReached
@@ -363,10 +374,12 @@ class _GroupAwarePPOTrainer(VerifiedSyncTrainer, ppo_trainer.PPOTrainer.__ray_ac
         states = super().init_checkpoint_states()
         if self._shaper is not None and SHAPING_STATE in states:
             self._shaper.load_state_dict(states[SHAPING_STATE])
+        self._gap_limit.load_state_dict(states.get(GAP_STATE))
         return states
 
 
 class _CPURolloutRayActor(
+    EngineTaggingEngine,
     RewardOptionsEngine,
     PositiveRewardEngine,
     SyncReportingEngine,
@@ -387,6 +400,7 @@ class _CPURolloutRayActor(
 
 
 class _GPURolloutRayActor(
+    EngineTaggingEngine,
     RewardOptionsEngine,
     PositiveRewardEngine,
     SyncReportingEngine,
