@@ -28,7 +28,7 @@ PROBE_TOKENS = 1024  # long enough for position faults (rotary base, scaling) to
 ENGINE_TOLERANCE = 1e-6  # nats: largest per-token difference between identical engines
 ACTOR_FACTOR = 4.0  # an engine's limit against the actor: this many times its first gap...
 ACTOR_FLOOR = 0.005  # ...at least this (nats per token), so an exact kernel match cannot stop
-ACTOR_CAP = 0.2  # ...and at most this: about 4x the largest honest gap measured (0.046)
+ACTOR_CAP = 0.1  # ...and at most this: 2x the largest honest gap measured (0.046)
 GUARDS = ("all", "engines", "actor", "log")  # --drpo.weight_probe: which comparisons stop
 
 

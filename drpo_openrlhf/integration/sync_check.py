@@ -4,7 +4,7 @@ after every weight sync (``--drpo.verify_weight_sync``, on by default).
 OpenRLHF's sync (``trainer/ray/ppo_actor.py: broadcast_to_vllm``) sends each actor parameter
 to every vLLM engine; nothing checks that the engines load it, nor that the weights vLLM
 loaded from disk at start-up are the actor's. A run whose engines dropped every tensor
-trained for 32 steps and exited 0 (issue 22). Three mixins close that:
+trained for 32 steps and exited 0 (issue 22). These mixins close that:
 
 - ``SentDigestsActor`` (actor ranks): rank 0 digests each tensor it sends, while it is
   gathered for sending, by seeing the ``update_weight`` call it makes on the first engine;
@@ -164,7 +164,7 @@ class SyncReportingEngine:
 
     async def probe_logprobs(self, token_ids: list[int]) -> list[float]:
         """vLLM's log-prob of each probe token after those before it (prompt log-probs: from
-        the raw logits, temperature 1, past every sampling setting). A request for prompt
+        the raw logits at temperature 1, whatever the sampling settings). A request for prompt
         log-probs never reads the prefix cache (vLLM's ``SamplingParams``
         ``skip_reading_prefix_cache``), so the probe computes every position afresh."""
         from vllm import SamplingParams

@@ -18,7 +18,9 @@ is ``--train.seed`` (42) + ``i`` (OpenRLHF's ``create_vllm_engines``).
 Faults in what the engine computes, which its weights (and so the digests) do not show:
 
 - ``"rope_theta": FACTOR``: the rotary embeddings' base times FACTOR (a wrong ``rope_theta``);
-- ``"fp16_linear": true``: the linear layers compute in fp16 (the weights stay bf16).
+- ``"fp16_linear": true``: the linear layers compute in fp16 (the weights stay bf16);
+- ``"temperature": T``: the engine samples (and reports log-probs) at temperature T whatever
+  the request asks; prompt log-probs (the weight probe's) are left alone.
 """
 
 from __future__ import annotations
@@ -98,9 +100,38 @@ def _load_model_then_break() -> None:
     BaseModelLoader.load_model = load_then_break
 
 
+_said: dict[str, bool] = {}
+
+
+def _sample_at_another_temperature() -> None:
+    """In vLLM's engine core (the process that imports the worker extension), where each
+    request arrives with its sampling settings."""
+    from vllm.v1.engine.core import EngineCore
+
+    add_request = EngineCore.add_request
+
+    def at_temperature(self, request, *args, **kwargs):
+        seed = self.vllm_config.model_config.seed
+        temperature = _table().get(str(seed - BASE_SEED), {}).get("temperature")
+        params = request.sampling_params
+        if temperature is not None and params is not None and params.prompt_logprobs is None:
+            if not _said.get("temperature"):
+                _said["temperature"] = True
+                print(
+                    f"SYNC BREAK: sampling at temperature {temperature} instead of "
+                    f"{params.temperature}",
+                    flush=True,
+                )
+            params.temperature = temperature
+        return add_request(self, request, *args, **kwargs)
+
+    EngineCore.add_request = at_temperature
+
+
 def install(worker_class) -> None:
     _start_from_another_checkpoint()
     _load_model_then_break()
+    _sample_at_another_temperature()
 
     def update_weight(self, name, dtype, shape, empty_cache=False):
         weight = torch.empty(shape, dtype=dtype, device=self.device)
