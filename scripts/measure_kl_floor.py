@@ -148,12 +148,27 @@ def token_log_probs(model, rollout, order, micro, device, *, grad: bool) -> list
 
 
 def compare(old: list[torch.Tensor], new: list[torch.Tensor]) -> dict[str, float]:
-    """The trust region's estimate (token mean of ``old - new``) and the gap's size."""
-    diff = torch.cat([o - n for o, n in zip(old, new, strict=True)])
+    """The trust region's estimate (token mean of ``old - new``), the gap's size, and how the
+    estimate's noise scales with the batch.
+
+    A rounding difference at one token carries on to the later tokens of its response, so the
+    responses, not the tokens, are the independent units: ``kl_se`` is the estimate's standard
+    error over responses (the ratio estimator's, ``sqrt(sum (S_i - k T_i)^2) / sum T_i`` for
+    response sums ``S_i`` over ``T_i`` tokens), and ``kl_se_x_sqrt_tokens`` is it times the
+    square root of the token count: a batch of ``T`` tokens of such responses has an estimate
+    noisy by about ``kl_se_x_sqrt_tokens / sqrt(T)``."""
+    diff = torch.cat([o - n for o, n in zip(old, new, strict=True)]).double()
+    sums = torch.stack([(o - n).double().sum() for o, n in zip(old, new, strict=True)])
+    counts = torch.tensor([float(o.numel()) for o in old], dtype=torch.float64)
+    kl = diff.mean()
+    se = ((sums - kl * counts).square().sum().sqrt() / counts.sum()).item()
     return {
-        "kl_token_mean": diff.mean().item(),
+        "kl_token_mean": kl.item(),
         "abs_mean": diff.abs().mean().item(),
         "abs_max": diff.abs().max().item(),
+        "tokens_differing": int((diff != 0).sum()),
+        "kl_se": se,
+        "kl_se_x_sqrt_tokens": se * counts.sum().sqrt().item(),
         "identical": bool((diff == 0).all()),
     }
 

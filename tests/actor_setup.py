@@ -223,14 +223,48 @@ def openrlhf_share(count: int, world: int, rank: int, batch_size: int = 1) -> to
 
 
 def dealt_share(
-    group_ids: torch.Tensor, layout, rank: int = 0, allow_partial: bool = False
+    group_ids: torch.Tensor,
+    layout,
+    rank: int = 0,
+    allow_partial: bool = False,
+    lengths: list[int] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The rollout positions ``rank`` receives under DRPO's cross-rank layout and their
-    ``info`` (group ids and slots), as ``experience.deal_experiences`` deals them."""
+    ``info`` (group ids and slots), as ``experience.deal_samples`` deals them (``lengths``:
+    each share of a step cut longest first, where ``cut_longest_first``)."""
     from drpo_openrlhf.integration.actor_trainer import GROUP_KEY, SLOT_KEY
     from drpo_openrlhf.integration.layout import deal_rollout
 
-    pairs = deal_rollout(group_ids.tolist(), layout, allow_partial=allow_partial)[rank]
+    dealt = deal_rollout(group_ids.tolist(), layout, allow_partial=allow_partial, lengths=lengths)
+    pairs = dealt[rank]
     positions = torch.tensor([i for i, _ in pairs], dtype=torch.long)
     slots = torch.tensor([s for _, s in pairs], dtype=torch.long)
     return positions, {GROUP_KEY: group_ids[positions], SLOT_KEY: slots}
+
+
+def rollout_samples(data: dict[str, torch.Tensor]) -> list:
+    """The rows of a right-padded rollout as the single-response ``Experience`` samples
+    OpenRLHF's samples generator makes (unpadded, rewards and scores in ``info``), in
+    generation order: what ``split_rollout_samples`` receives."""
+    from openrlhf.trainer.ppo_utils.experience import Experience
+
+    samples = []
+    for row in range(data["sequences"].shape[0]):
+        length = int(data["attention_mask"][row].sum())
+        score = data["scores"][row : row + 1].float()
+        samples.append(
+            Experience(
+                sequences=data["sequences"][row : row + 1, :length],
+                attention_mask=data["attention_mask"][row : row + 1, :length],
+                action_mask=data["action_mask"][row : row + 1, : length - 1],
+                rewards=score.clone(),
+                scores=score.clone(),
+                response_length=data["action_mask"][row : row + 1].sum(-1).float(),
+                truncated=torch.zeros(1, dtype=torch.bool),
+                total_length=torch.tensor([float(length)]),
+                prompts=["p"],
+                labels=["l"],
+                info={"reward": score.clone(), "score": score.clone()},
+            )
+        )
+    return samples

@@ -79,9 +79,15 @@ def rank_share(case: Case, rank: int, world: int) -> tuple[torch.Tensor, dict]:
     if case.dynamic:
         local = torch.arange(rank, PROMPTS * N, world)
         info = {GROUP_KEY: group_ids[local]}
-    else:  # the driver deals the (possibly short) rollout as experience.deal_experiences does
+    else:  # the driver deals the (possibly short) rollout as experience.deal_samples does
+        from drpo_openrlhf.integration.actor_trainer import cut_longest_first
+
         short = group_ids[: PROMPTS * N - case.short]
-        local, info = actor_setup.dealt_share(short, layout(case, world), rank, case.short > 0)
+        dealt = layout(case, world)
+        lengths = None
+        if cut_longest_first(dealt, case.kl_estimate):
+            lengths = rollout()["attention_mask"].sum(-1).tolist()
+        local, info = actor_setup.dealt_share(short, dealt, rank, case.short > 0, lengths)
     if case.preference:
         info[POSITIVE_KEY] = rollout()["preference"][local]
     return local, info

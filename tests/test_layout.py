@@ -202,3 +202,17 @@ def test_slots_that_do_not_fill_the_micro_batches_are_refused():
         plan_from_slots([0, 0, 1], layout)
     with pytest.raises(LayoutError, match="do not fill micro-batches of 2"):
         plan_from_slots([0, 0, 1, 1, 2, 2], layout)  # half an optimizer step
+
+
+def test_given_lengths_each_ranks_share_of_a_step_is_cut_longest_first():
+    layout = Layout(2, 2, 4, 8, 2)  # one step of 4 groups; 4 responses per rank, micro 2
+    ids = [0, 0, 1, 1, 2, 2, 3, 3]
+    lengths = [5, 50, 7, 40, 9, 9, 30, 1]
+    plain = deal_rollout(ids, layout)
+    dealt = deal_rollout(ids, layout, lengths=lengths)
+    # each rank keeps its responses (the round-robin), only their micro-batches change
+    assert [sorted(i for i, _ in pairs) for pairs in dealt] == [
+        sorted(i for i, _ in pairs) for pairs in plain
+    ]
+    assert dealt == [[(6, 0), (4, 0), (2, 1), (0, 1)], [(1, 0), (3, 0), (5, 1), (7, 1)]]
+    assert plan_from_slots([s for _, s in dealt[0]], layout) == [[[0, 1], [2, 3]]]

@@ -38,6 +38,15 @@ coefficients are micro-step-local too (``group_score_coefficients``) and are
 back-propagated in one pass; the penalty's only depend on the mini-batch KL, known once the
 last micro-step is forwarded. Only when it exceeds ``delta`` does a second pass
 back-propagate the penalty (``drpo/penalty_pass``: the fraction of steps that needed it).
+
+*The trust region's noise floor*: at identical weights a forward's bf16 rounding depends on
+the batch it runs in, so old log-probs computed in other micro-batches than the update's
+give a KL estimate above zero, on the first step of a rollout too (docs/algorithm.md). With
+fixed micro-batches the driver computes them in exactly the update's micro-batches
+(``experience``), which this update forwards as dealt: the log-probs agree bit for bit. Under
+dynamic batching the update plans its micro-batches here, after the old log-probs exist; on
+the first step of a rollout, where the policy still is pi_old, the update's own forward
+gives pi_old's log-probs (``_scalars``), so that only later steps keep the floor.
 """
 
 from __future__ import annotations
@@ -80,6 +89,21 @@ logger = logging.getLogger(__name__)
 GROUP_KEY = "drpo_group"  # experience.info key carrying each response's prompt-group id
 SLOT_KEY = "drpo_slot"  # its global micro-step in the rollout (``layout.deal_rollout``)
 ONE_PASS, PENALTY_PASS, SCORES_PASS = "one_pass", "penalty_pass", "scores_pass"
+
+
+def fixed_batch_mode(layout: Layout, kl_estimate: str) -> str:
+    """How a step of fixed micro-batches runs: one pass, one pass plus a penalty pass when
+    needed, or a scores pass first (global micro-steps cannot hold whole groups)."""
+    if not layout.groups_fit_micro_steps:
+        return SCORES_PASS
+    return ONE_PASS if kl_estimate == "microstep" else PENALTY_PASS
+
+
+def cut_longest_first(layout: Layout, kl_estimate: str) -> bool:
+    """Whether the driver cuts each rank's share of a step into micro-batches longest first
+    (``deal_rollout``'s ``lengths``): only where the update does not depend on the cut, the
+    scores pass under the mini-batch KL."""
+    return fixed_batch_mode(layout, kl_estimate) == SCORES_PASS and kl_estimate == "minibatch"
 
 
 def correctness(scores: Tensor) -> Tensor:
@@ -153,6 +177,8 @@ class DRPOActorTrainer(ActorPPOTrainer):
     drpo_max_len: int
     drpo_layout: Layout
     drpo_group: dist.ProcessGroup | None
+    # this step's forwards give pi_old's log-probs (first step under dynamic batching)
+    drpo_forward_is_old: bool = False
 
     def enable_drpo(self, config: DRPOConfig) -> None:
         args = self.args
@@ -178,11 +204,8 @@ class DRPOActorTrainer(ActorPPOTrainer):
 
     @property
     def drpo_mode(self) -> str:
-        """How a step of fixed micro-batches runs: one pass, one pass plus a penalty pass when
-        needed, or a scores pass first (global micro-steps cannot hold whole groups)."""
-        if not self.drpo_layout.groups_fit_micro_steps:
-            return SCORES_PASS
-        return ONE_PASS if self.drpo.kl_estimate == "microstep" else PENALTY_PASS
+        """How a step of fixed micro-batches runs (``fixed_batch_mode``)."""
+        return fixed_batch_mode(self.drpo_layout, self.drpo.kl_estimate)
 
     def ppo_train(self, kl_ctl: float) -> dict[str, float]:
         items = self.replay_buffer.items
@@ -214,9 +237,9 @@ class DRPOActorTrainer(ActorPPOTrainer):
         return {**_mean_metrics(step_metrics), "drpo/dropped_responses": float(dropped)}
 
     def _plan_dealt(self, items: list) -> tuple[list[list[list[int]]], list[str]]:
-        """Fixed micro-batches: the plan the driver dealt (``SLOT_KEY``). For a scores-pass
-        step under the mini-batch KL, whose update does not depend on the cut, each rank's
-        share is re-cut longest first, so that micro-batches pad little."""
+        """Fixed micro-batches: the plan the driver dealt (``SLOT_KEY``), kept as it is: the
+        old log-probs were computed in exactly these micro-batches (``experience``), so
+        re-cutting them here would bring back the trust region's noise floor."""
         if any(SLOT_KEY not in item.info for item in items):
             raise LayoutError(
                 "the rollout reached this rank without DRPO's slots: it must be dealt by "
@@ -227,14 +250,7 @@ class DRPOActorTrainer(ActorPPOTrainer):
         fewest = self._all_reduce(len(plan), dist.ReduceOp.MIN)
         if fewest != self._all_reduce(len(plan), dist.ReduceOp.MAX):
             raise LayoutError("the actor ranks received different numbers of optimizer steps")
-        mode = self.drpo_mode
-        if mode == SCORES_PASS and self.drpo.kl_estimate == "minibatch":
-            m = self.drpo_layout.micro_batch_size
-            lengths = [int(item.attention_mask.sum()) for item in items]
-            for k, step in enumerate(plan):
-                ordered = sorted((i for mb in step for i in mb), key=lambda i: -lengths[i])
-                plan[k] = [ordered[j : j + m] for j in range(0, len(ordered), m)]
-        return plan, [mode] * len(plan)
+        return plan, [self.drpo_mode] * len(plan)
 
     def _all_reduce(self, value: int, op) -> int:
         """``value`` reduced over the data-parallel ranks (each response counted once)."""
@@ -304,7 +320,9 @@ class DRPOActorTrainer(ActorPPOTrainer):
         return next(self.actor.model.parameters()).device
 
     def _scalars(self, batch, microstep: int, *, use_old: bool) -> ResponseScalars:
-        """Scalars of one micro-batch; ``use_old`` reads pi_old's log-probs instead of a forward."""
+        """Scalars of one micro-batch; ``use_old`` reads pi_old's log-probs instead of a forward.
+        Under ``drpo_forward_is_old`` the forward's log-probs replace pi_old's (they are pi_old's,
+        rounded in this micro-batch), so that the step's KL estimate is exactly zero."""
         if use_old:
             log_probs = batch.action_log_probs
         else:
@@ -314,6 +332,8 @@ class DRPOActorTrainer(ActorPPOTrainer):
                 attention_mask=batch.attention_mask,
                 ring_attn_group=self.strategy.ring_attn_group,
             )
+            if self.drpo_forward_is_old:
+                batch.action_log_probs = log_probs.detach()
         group_ids = torch.stack([torch.as_tensor(g) for g in batch.info[GROUP_KEY]])
         return response_scalars(
             log_probs.float(),
@@ -470,6 +490,7 @@ class DRPOActorTrainer(ActorPPOTrainer):
         for batch in batches:
             batch.to_device(device)
         self.actor.train()
+        self.drpo_forward_is_old = policy_is_old and self.drpo_layout.dynamic_batching
         penalty = False
         if mode == ONE_PASS:
             gathered, score_coef, metrics = self._one_pass_backward(batches)

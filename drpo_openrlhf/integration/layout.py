@@ -248,7 +248,11 @@ UNTRAINED = -1  # slot of a response no optimizer step trains on (short last rol
 
 
 def deal_rollout(
-    group_ids: Sequence[int], layout: Layout, *, allow_partial: bool = False
+    group_ids: Sequence[int],
+    layout: Layout,
+    *,
+    allow_partial: bool = False,
+    lengths: Sequence[int] | None = None,
 ) -> list[list[tuple[int, int]]]:
     """The cross-rank layout: which rollout positions each rank receives, and in which slot.
 
@@ -259,6 +263,11 @@ def deal_rollout(
     ``j`` of every rank) is the step's positions ``j*m*W .. (j+1)*m*W - 1``: whole groups
     whenever ``n`` divides ``m*W`` (``Layout.groups_fit_micro_steps``). With ``W = n`` rank
     ``r`` holds response ``r`` of every prompt, as in the released code.
+
+    Given ``lengths`` (tokens per response), each rank's responses of a step are cut into its
+    micro-batches longest first instead, so that they pad little; global micro-steps then no
+    longer hold whole groups, so only for an update that does not depend on the cut (the
+    scores pass under the mini-batch KL).
 
     Returns, per rank, ``(position, slot)`` pairs in slot order; ``slot = k * micro_steps + j``
     for micro-batch ``j`` of step ``k``, or ``UNTRAINED`` for responses left out (incomplete
@@ -278,9 +287,12 @@ def deal_rollout(
         step = [
             i for g in groups[k * groups_per_step : (k + 1) * groups_per_step] for i in members[g]
         ]
-        for p, i in enumerate(step):
-            slot = k * layout.micro_steps + (p // world) // layout.micro_batch_size
-            ranks[p % world].append((i, slot))
+        for r in range(world):
+            mine = step[r::world]
+            if lengths is not None:
+                mine = sorted(mine, key=lambda i: -lengths[i])
+            for q, i in enumerate(mine):
+                ranks[r].append((i, k * layout.micro_steps + q // layout.micro_batch_size))
     rest = [i for i, g in enumerate(group_ids) if g not in step_of]
     for p, i in enumerate(rest):
         ranks[p % world].append((i, UNTRAINED))
