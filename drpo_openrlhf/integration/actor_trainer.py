@@ -41,7 +41,7 @@ back-propagate the penalty (``drpo/penalty_pass``: the fraction of steps that ne
 
 *The trust region's noise floor*: at identical weights a forward's bf16 rounding depends on
 the batch it runs in, so old log-probs computed in other micro-batches than the update's
-give a KL estimate above zero, on the first step of a rollout too (docs/algorithm.md). With
+give a KL estimate off zero, on the first step of a rollout too (docs/algorithm.md). With
 fixed micro-batches the driver computes them in exactly the update's micro-batches
 (``experience``), which this update forwards as dealt: the log-probs agree bit for bit. Under
 dynamic batching the update plans its micro-batches here, after the old log-probs exist; on

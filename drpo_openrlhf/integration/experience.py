@@ -13,13 +13,16 @@ chunk of the list, and hands rank ``r`` that same chunk for its update
 responses; the update forwards the same responses in its own micro-batches (another size,
 whole prompt groups per step, other padding). In bf16 a forward's rounding depends on the
 batch it runs in, so at identical weights the two disagree, and the trust region's KL
-estimate sits above zero on rounding alone, at times above ``delta`` (docs/algorithm.md,
+estimate is off zero on rounding alone, at times above ``delta`` (docs/algorithm.md,
 the noise floor). So the rollout is dealt *before* the old log-probs: ``split_rollout_samples``
 returns exactly the update's micro-batches under ``deal_rollout`` (each response's optimizer
 step and micro-batch in ``experience.info``), rank ``r``'s contiguous, in slot order, and the
 actor forwards each of them as it is (``actor_trainer._plan_dealt``): the same rows in the same
 order, padded to the same width, through the same ``Actor``, so the old log-probs and the first
-step's forward are bit-identical, at no extra forward. The cost is that pi_old is scored
+step's forward are bit-identical, at no extra forward. That beats taking the first step's
+forward as pi_old (the fallback under dynamic batching, below), which would fix that step
+only: here every later step too compares log-probs rounded in the batch it forwards, so its
+estimate holds the weights' change and no layout noise. The cost is that pi_old is scored
 ``--train.micro_batch_size`` responses at a time; ``--rollout.micro_batch_size`` no longer
 applies to DRPO. The scores pass under the mini-batch KL, whose update does not depend on the
 cut, has its micro-batches cut longest first here, at the deal (``cut_longest_first``).
