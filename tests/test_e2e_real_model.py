@@ -40,12 +40,12 @@ EXAMPLE = ("What is 2 + 2?", "2 + 2 = \\boxed{4}")
 PAIRS = ((8, 3), (8, 9), (9, 1), (9, 2), (9, 3), (9, 4), (9, 8), (5, 5))
 TIED = "model.embed_tokens.weight"  # also the LM head's weight
 # The honest rollout log-prob gap, bf16 actor against the bf16 vLLM CPU engine, measured on
-# this run's first rollout: 0.0069-0.0074 nats per token (3 runs). 0.03 is 4x that: a
+# this run's first rollout: 0.0069-0.009 nats per token (6 runs). 0.03 is 3x the largest: a
 # divergence between the two (a kernel, a dtype, RoPE) costs more (docs/cpu.md).
 GAP_BOUND = 0.03
-# The mean log-probability of the right answers rose by 0.59 nats after the one update (from
-# -1.34: the base model writes them about a quarter of the time at temperature 1); LEARNED
-# asks for their probability to rise by a factor of 1.2 at least.
+# The mean log-probability of the right answers rose by 0.59-0.64 nats after the one update
+# (3 runs; from -1.34: the base model writes them about a quarter of the time at temperature
+# 1); LEARNED asks for their probability to rise by a factor of 1.2 at least.
 LEARNED = math.log(1.2)
 HOLDS = r"holds other values or places than the actor's '([^']+)'"
 
