@@ -10,6 +10,7 @@ from openrlhf.trainer.ppo_utils.experience import Experience
 from openrlhf.trainer.ppo_utils.kl_controller import FixedKLController
 from openrlhf.utils.config import hierarchize
 
+from drpo_openrlhf.algo.logprob_gap import GapLimit
 from drpo_openrlhf.algo.shaper import GroupRewardShaper
 from drpo_openrlhf.algo.shaping import shape_rewards
 from drpo_openrlhf.integration import ray_actors
@@ -113,6 +114,7 @@ def hand_built_trainer(experience_maker, max_steps: int | None, ckpt: Path):
     trainer.args.drpo_run = type("Run", (), {"max_steps": max_steps, "verify_weight_sync": False})()
     trainer.wandb_logger = trainer.tensorboard_logger = None
     trainer._step_times = StepTimes(str(ckpt))
+    trainer._gap_limit = GapLimit(None, exact_start=False)  # saved with the checkpoints
     return trainer
 
 
