@@ -46,6 +46,20 @@ def test_a_failed_start_is_the_stop_line(tmp_path):
     ), line
 
 
+def test_an_actor_that_waited_for_a_failed_engine_names_the_engine(tmp_path):
+    """The driver's trainer waits for the engines before its first call to them: its failed
+    start reads as the engine's, not as the trainer's."""
+    waited = RAY_REPORT.replace("_CPURolloutRayActor", "_GroupAwarePPOTrainer").replace(
+        "ValueError: current platform cpu does not support ray",
+        "EngineStartError: vLLM engine 0 of 2 failed to start: ValueError: injected",
+    )
+    line = stop_message(RuntimeError(waited), str(tmp_path))
+    assert line.startswith(
+        "the run stopped: EngineStartError: vLLM engine 0 of 2 failed to start: ValueError: "
+        "injected."
+    ), line
+
+
 def test_rank_0_waits_for_the_engines_before_the_sync_group(monkeypatch):
     from openrlhf.trainer.ray import ppo_actor
 

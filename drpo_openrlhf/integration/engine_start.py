@@ -42,6 +42,8 @@ def start_failure(error: BaseException) -> str | None:
     own = creation_error(error)
     if own is None:
         return None
+    if own.startswith(f"{EngineStartError.__name__}: "):  # an actor that waited for the engines
+        return own
     actor = re.search(r"ray::(\w+)\.__init__", ANSI.sub("", str(error)))
     if actor is None:
         who = "a Ray actor"

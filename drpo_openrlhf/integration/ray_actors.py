@@ -243,6 +243,8 @@ class _GroupAwarePPOTrainer(VerifiedSyncTrainer, ppo_trainer.PPOTrainer.__ray_ac
         super().__init__(*args, **kwargs)
         run = self.args.drpo_run
         self._gap_limit = GapLimit(run.max_logprob_gap, run.verify_weight_sync)
+        # the calls below wait on the engines: one that failed to start is named first
+        engine_start.wait_for_engines(self.vllm_engines)
         tag_engines(self.vllm_engines)  # each response names its engine (per-engine gap)
         self._signal_watch = SignalWatch(run.max_steps_without_signal)
         bind_answer_format(self.vllm_engines, self.args)  # DRPO and the baselines alike
