@@ -51,7 +51,8 @@ def test_an_actor_that_waited_for_a_failed_engine_names_the_engine(tmp_path):
     start reads as the engine's, not as the trainer's."""
     waited = RAY_REPORT.replace("_CPURolloutRayActor", "_GroupAwarePPOTrainer").replace(
         "ValueError: current platform cpu does not support ray",
-        "EngineStartError: vLLM engine 0 of 2 failed to start: ValueError: injected",
+        "drpo_openrlhf.integration.engine_start.EngineStartError: vLLM engine 0 of 2 failed "
+        "to start: ValueError: injected",
     )
     line = stop_message(RuntimeError(waited), str(tmp_path))
     assert line.startswith(

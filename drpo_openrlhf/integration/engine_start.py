@@ -42,8 +42,9 @@ def start_failure(error: BaseException) -> str | None:
     own = creation_error(error)
     if own is None:
         return None
-    if own.startswith(f"{EngineStartError.__name__}: "):  # an actor that waited for the engines
-        return own
+    waited = re.match(rf"(?:[\w.]+\.)?({EngineStartError.__name__}: .*)", own)
+    if waited:  # an actor that waited for the engines: Ray names the error with its module
+        return waited.group(1)
     actor = re.search(r"ray::(\w+)\.__init__", ANSI.sub("", str(error)))
     if actor is None:
         who = "a Ray actor"
