@@ -4,7 +4,7 @@ after every weight sync (``--drpo.verify_weight_sync``, on by default).
 OpenRLHF's sync (``trainer/ray/ppo_actor.py: broadcast_to_vllm``) sends each actor parameter
 to every vLLM engine; nothing checks that the engines load it, nor that the weights vLLM
 loaded from disk at start-up are the actor's. A run whose engines dropped every tensor
-trained for 32 steps and exited 0 (issue 22). These mixins close that:
+trained for 32 steps and exited 0. These mixins close that:
 
 - ``SentDigestsActor`` (actor ranks): rank 0 digests each tensor it sends, while it is
   gathered for sending, by seeing the ``update_weight`` call it makes on the first engine;
