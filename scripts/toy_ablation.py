@@ -34,7 +34,7 @@ from drpo_openrlhf.sweep.toy import build_seed
 DISCO = ("--drpo.lam", "inf")
 RLOO = ("--shaping.method", "rloo_lp", "--algo.kl.init_coef", "0")
 
-# The learning rate every setting ran at unless it names its own: the demo's until session 9
+# The learning rate every setting ran at unless it names its own: the demo's earlier one
 # (the ablation is what moved the demo to 5e-5), kept so that the table's rows stay comparable.
 ABLATION_LR = 2e-4
 

@@ -1,4 +1,4 @@
-"""Issue 24's toy run: does a positive reward other than length move what it targets?
+"""Toy run: does a positive reward other than length move what it targets?
 
 The demo's toy (``make demo``'s task, seeded SFT base, ``python -m drpo_openrlhf.train`` and
 ``drpo-eval``'s evaluation), run by ``scripts/toy_ablation.py`` with its settings narrowed to

@@ -3,7 +3,7 @@
 ``python -m drpo_openrlhf.train`` imports torch, DeepSpeed, transformers, vLLM and OpenRLHF.
 When it returns, the interpreter's teardown garbage-collects all their objects, module by
 module: 4 s of a 40-s toy run on 2 cores (measured with py-spy in ``gc_collect_main``), for a
-process that is ending anyway, paid by every run of the test suite (issue 36). Freezing the
+process that is ending anyway, paid by every run of the test suite. Freezing the
 objects instead (``gc.freeze``) skips the walk but leaves triton's nanobind objects alive at
 its own check, which then prints some 70 lines of "leaked" warnings.
 

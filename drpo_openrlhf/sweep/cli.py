@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--schedules",
         action="store_true",
         help="add DRPO with lambda from each prompt's pass rate, with and without a prior "
-        "(docs/sweep.md, issue 38's sweep)",
+        "(docs/sweep.md, 'Difficulty-adaptive lambda')",
     )
     for name, text in (("task", "train, evaluate, mark (Ray jobs)"), ("finish", "evaluate, mark")):
         sub = commands.add_parser(name, help=f"one run: {text}")

@@ -1,7 +1,7 @@
 """``drpo-sweep toy DIR``: the demo's toy task as a sweep, for the ``local`` backend on CPU.
 Per seed it writes what ``make demo`` builds (training and evaluation problems, the SFT base
 policy), then a sweep file whose shared flags and evaluation protocol are the demo's
-(``demo/run.py``), with the frontier grid of issue 26 as its methods."""
+(``demo/run.py``), with the toy frontier's grid as its methods."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ METHODS = (
     ("rloo_lp", {"alpha": [0.1, 0.2, 0.4]}),
     ("alp", {"beta": [0.005]}),
 )
-# issue 38: lambda per prompt from its pass rate (the group's own, and shrunk by 4
+# lambda per prompt from its pass rate (the group's own, and shrunk by 4
 # pseudo-samples towards 1/2), at the fixed grid's lambdas below 0.5: dividing by the pass
 # rate raises lambda 1.3-8x, so 0.5 would sit between the fixed 0.5 and DisCO
 SCHEDULES = (
