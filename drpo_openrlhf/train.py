@@ -22,17 +22,18 @@ from drpo_openrlhf.algo.length_reward import LENGTH_REWARDS
 from drpo_openrlhf.algo.shaper import GroupRewardShaper
 from drpo_openrlhf.algo.shaping import METHODS
 from drpo_openrlhf.algo.weight_probe import GUARDS as PROBE_GUARDS
-from drpo_openrlhf.integration import memory_plan, openrlhf_flags, preflight, signal_watch
-from drpo_openrlhf.integration.checkpoint_check import check_checkpoint
-from drpo_openrlhf.integration.checkpoints import innermost, prepare_resume, stop_message
-from drpo_openrlhf.integration.device import DEVICES
-from drpo_openrlhf.integration.graceful_stop import StopRequested, clear_stale_request
-from drpo_openrlhf.integration.layout import Layout, data_parallel_size
-from drpo_openrlhf.integration.signal_watch import NoLearningSignalError
-from drpo_openrlhf.integration.tokenizer_check import check_tokenizer
-from drpo_openrlhf.openrlhf_cli import check_openrlhf_validation, openrlhf_parser
 from drpo_openrlhf.rewards import answer_format, positive_reward
 from drpo_openrlhf.rewards._plugin import env_flag
+from drpo_openrlhf.runtime import memory_plan, openrlhf_flags, preflight
+from drpo_openrlhf.runtime.checkpoint_check import check_checkpoint
+from drpo_openrlhf.runtime.checkpoints import innermost, prepare_resume, stop_message
+from drpo_openrlhf.runtime.device import DEVICES
+from drpo_openrlhf.runtime.graceful_stop import StopRequested, clear_stale_request
+from drpo_openrlhf.runtime.openrlhf_cli import check_openrlhf_validation, openrlhf_parser
+from drpo_openrlhf.runtime.tokenizer_check import check_tokenizer
+from drpo_openrlhf.update import signal_watch
+from drpo_openrlhf.update.layout import Layout, data_parallel_size
+from drpo_openrlhf.update.signal_watch import NoLearningSignalError
 
 
 def reward_plugin_path(name: str = "math_reward.py") -> str:
@@ -339,7 +340,7 @@ def refuse_unsafe_dynamic_batching(args: argparse.Namespace) -> None:
 
 def refuse_entropy_with_chunks(args: argparse.Namespace) -> None:
     """An entropy bonus needs every position's full logits, which chunked log-probs never
-    hold (``integration/chunked_actor.py``)."""
+    hold (``update/chunked_actor.py``)."""
     if getattr(args, "actor.entropy_coef") is not None and getattr(
         args, "drpo.logprob_chunk_tokens"
     ):
@@ -351,7 +352,7 @@ def refuse_entropy_with_chunks(args: argparse.Namespace) -> None:
 
 def refuse_tensor_parallel_with_chunks(args: argparse.Namespace) -> None:
     """DeepSpeed AutoTP replaces the output layer by a vocabulary-parallel one, which chunked
-    log-probs (``integration/chunked_actor.py``) do not compute with."""
+    log-probs (``update/chunked_actor.py``) do not compute with."""
     if getattr(args, "ds.tensor_parallel_size") > 1 and getattr(args, "drpo.logprob_chunk_tokens"):
         raise ValueError(
             "--ds.tensor_parallel_size splits the output layer over the vocabulary, which "
@@ -531,7 +532,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"Estimated peak GPU memory (docs/launch.md, Memory plan):\n{run.memory_plan}")
     else:
         print("No GPU memory estimate: --drpo.gpu_memory_gib 0, or no config.json for the model")
-    from drpo_openrlhf.integration.launch import run_openrlhf
+    from drpo_openrlhf.runtime.launch import run_openrlhf
 
     cleared = clear_stale_request(run.ckpt_path)
     if cleared:
@@ -552,7 +553,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from drpo_openrlhf.integration.process_exit import exit_now
+    from drpo_openrlhf.runtime.process_exit import exit_now
 
     try:
         main()

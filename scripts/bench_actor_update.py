@@ -368,7 +368,7 @@ def run_worker(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     from drpo_openrlhf.algo import DRPOConfig
-    from drpo_openrlhf.integration import actor_trainer as drpo_module
+    from drpo_openrlhf.update import actor_trainer as drpo_module
 
     strategy = actor_setup.setup_strategy(
         actor_setup.openrlhf_args(openrlhf_flags(args)), args.dtype, args.device

@@ -44,7 +44,7 @@ from openrlhf.utils.seqlen_balancing import (
     get_seqlen_balanced_partitions,
 )
 
-from drpo_openrlhf.integration.layout import (
+from drpo_openrlhf.update.layout import (
     Layout,
     assign_group_steps,
     pack_group_microsteps,

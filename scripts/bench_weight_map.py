@@ -106,7 +106,7 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM
 
-    from drpo_openrlhf.integration.vllm_sync_worker import WeightSyncRecorder
+    from drpo_openrlhf.sync.vllm_sync_worker import WeightSyncRecorder
 
     model, config = qwen(args.model, args.layers)
     with torch.device("meta"):

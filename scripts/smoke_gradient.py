@@ -96,7 +96,7 @@ def drpo_gradient(actor, data, old_log_probs, group, device: str) -> torch.Tenso
 def check_gradient(
     model_dir: Path, device: str, dtype: torch.dtype, attn: str, packing: bool, seed: int = 0
 ) -> GradientResult:
-    from drpo_openrlhf.integration import chunked_actor
+    from drpo_openrlhf.update import chunked_actor
 
     torch.manual_seed(seed)
     reference = _actor(model_dir, torch.float64, "eager", "cpu", packing=False)

@@ -371,7 +371,7 @@ CKPT_DIR=$(abs "${CKPT_DIR:-$RUN_DIR/ckpt}")
 mkdir -p "$CKPT_DIR"
 
 # With --ckpt.load_enable the entry point picks the newest *complete* checkpoint (DeepSpeed
-# writes `latest` before every rank has finished; drpo_openrlhf/integration/checkpoints.py)
+# writes `latest` before every rank has finished; drpo_openrlhf/runtime/checkpoints.py)
 # and logs "drpo_openrlhf: resuming from ...": the launcher leaves that choice to it.
 
 # OpenRLHF ends an episode (a pass over the prompts) with whatever prompts are left; DRPO
@@ -461,7 +461,7 @@ last_value() {
   done
   printf '%s\n' "$value"
 }
-# The trainer looks for this file after every step (drpo_openrlhf/integration/graceful_stop.py).
+# The trainer looks for this file after every step (drpo_openrlhf/runtime/graceful_stop.py).
 stop_file=$(last_value --ckpt.path "${train_args[@]}")/DRPO_STOP_REQUESTED
 
 # Preflight: the entry point's own parser and checks (unknown flags, PPO-only flags, layouts
@@ -590,7 +590,7 @@ stop_gracefully() {
   log "asked the job to save its last finished step and stop ($stop_file);" \
     "waiting up to ${STOP_GRACE_S}s (STOP_GRACE_S)"
   # what the run measured (drpo_step_times.json beside the request), against the grace
-  local advice='import sys; from drpo_openrlhf.integration.graceful_stop import stop_advice
+  local advice='import sys; from drpo_openrlhf.runtime.graceful_stop import stop_advice
 print(stop_advice(sys.argv[1], int(sys.argv[2])))'
   log "$(cd "$repo_dir" && "$PYTHON" -c "$advice" "${stop_file%/*}" "$STOP_GRACE_S" 2>&1 |
     tail -n 1)"

@@ -44,7 +44,7 @@ def openrlhf_args(flags: list[str]):
     """OpenRLHF's nested args for ``flags``, completed as ``train_ppo_ray``'s main does."""
     from openrlhf.utils.config import hierarchize
 
-    from drpo_openrlhf.openrlhf_cli import openrlhf_parser
+    from drpo_openrlhf.runtime.openrlhf_cli import openrlhf_parser
 
     args = hierarchize(openrlhf_parser().parse_args(flags))
     if args.actor.eps_clip_low_high is None:
@@ -232,8 +232,8 @@ def dealt_share(
     """The rollout positions ``rank`` receives under DRPO's cross-rank layout and their
     ``info`` (group ids and slots), as ``experience.deal_samples`` deals them (``lengths``:
     each share of a step cut longest first, where ``cut_longest_first``)."""
-    from drpo_openrlhf.integration.actor_trainer import GROUP_KEY, SLOT_KEY
-    from drpo_openrlhf.integration.layout import deal_rollout
+    from drpo_openrlhf.update.actor_trainer import GROUP_KEY, SLOT_KEY
+    from drpo_openrlhf.update.layout import deal_rollout
 
     dealt = deal_rollout(group_ids.tolist(), layout, allow_partial=allow_partial, lengths=lengths)
     pairs = dealt[rank]

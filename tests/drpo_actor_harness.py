@@ -59,7 +59,7 @@ class Case:
 
 def layout(case: Case, world: int):
     """The case's layout over ``world`` data-parallel ranks (ring groups, under SP)."""
-    from drpo_openrlhf.integration.layout import Layout
+    from drpo_openrlhf.update.layout import Layout
 
     return Layout(
         world, N, PROMPTS, TRAIN_BATCH, case.micro_batch_size, dynamic_batching=case.dynamic
@@ -70,8 +70,8 @@ def rank_share(case: Case, rank: int, world: int) -> tuple[torch.Tensor, dict]:
     """The rollout positions data-parallel rank ``rank`` of ``world`` receives and their
     ``info`` (group ids; slots unless under dynamic batching; positive rewards when the case
     has them)."""
-    from drpo_openrlhf.integration.actor_trainer import GROUP_KEY
-    from drpo_openrlhf.integration.positive_engine import POSITIVE_KEY
+    from drpo_openrlhf.rewards.positive_engine import POSITIVE_KEY
+    from drpo_openrlhf.update.actor_trainer import GROUP_KEY
 
     group_ids = torch.arange(PROMPTS * N) // N
     # under dynamic batching OpenRLHF deals responses out by length, so a group's responses
@@ -80,7 +80,7 @@ def rank_share(case: Case, rank: int, world: int) -> tuple[torch.Tensor, dict]:
         local = torch.arange(rank, PROMPTS * N, world)
         info = {GROUP_KEY: group_ids[local]}
     else:  # the driver deals the (possibly short) rollout as experience.deal_samples does
-        from drpo_openrlhf.integration.actor_trainer import cut_longest_first
+        from drpo_openrlhf.update.actor_trainer import cut_longest_first
 
         short = group_ids[: PROMPTS * N - case.short]
         dealt = layout(case, world)
@@ -250,7 +250,7 @@ def one_pass_expected(case: Case, world: int) -> bool:
 def dynamic_microsteps(case: Case, world: int, lengths: torch.Tensor, step: torch.Tensor):
     """Rollout positions of each global micro-step of one optimizer step (``step``: its
     positions): whole groups packed as the actor packs them (micro-step KL), or one piece."""
-    from drpo_openrlhf.integration.layout import pack_group_microsteps
+    from drpo_openrlhf.update.layout import pack_group_microsteps
 
     if case.kl_estimate != "microstep":
         return [step]
@@ -281,8 +281,8 @@ def run_rank(rank: int, world: int, port: int, cases: list[Case], out_dir: str) 
     import transformers.modeling_flash_attention_utils as hf_flash
     from openrlhf.models import ring_attn_utils
 
-    from drpo_openrlhf.integration import chunked_actor
-    from drpo_openrlhf.integration.actor_trainer import DRPOActorTrainer
+    from drpo_openrlhf.update import chunked_actor
+    from drpo_openrlhf.update.actor_trainer import DRPOActorTrainer
 
     # ring_flash_attn wraps this function when OpenRLHF's strategy sets up a ring group, and
     # refuses to wrap its own wrapper: give every case's strategy the original, as a fresh
@@ -431,7 +431,7 @@ def reference_weights(case: Case, world: int) -> tuple[list[torch.Tensor], list[
             for k in range(PROMPTS // groups_per_step)
         ]
     else:  # global micro-step j of step k: every rank's responses in slot k * M + j
-        from drpo_openrlhf.integration.actor_trainer import SLOT_KEY
+        from drpo_openrlhf.update.actor_trainer import SLOT_KEY
 
         shares = [rank_share(case, r, world) for r in range(world)]
         positions = torch.cat([p for p, _ in shares])

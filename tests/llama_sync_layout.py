@@ -26,9 +26,9 @@ from vllm.distributed.parallel_state import (
 )
 from vllm.model_executor.models.llama import LlamaForCausalLM
 
-from drpo_openrlhf.integration.sync_check import worker_report
-from drpo_openrlhf.integration.vllm_sync_worker import WeightSyncRecorder
-from drpo_openrlhf.integration.weight_digest import digest, engine_problems
+from drpo_openrlhf.sync.sync_check import worker_report
+from drpo_openrlhf.sync.vllm_sync_worker import WeightSyncRecorder
+from drpo_openrlhf.sync.weight_digest import digest, engine_problems
 
 
 class Worker(WeightSyncRecorder):

@@ -22,15 +22,15 @@ from test_sweep import FRONTIER, write_sweep
 from drpo_openrlhf import train
 from drpo_openrlhf.eval.cli import _run_parser
 from drpo_openrlhf.eval.cli import main as eval_main
-from drpo_openrlhf.integration import ray_actors
-from drpo_openrlhf.integration.preflight import reward_takes
-from drpo_openrlhf.integration.reward_guard import RewardOptionsEngine, guard_engine_rewards
 from drpo_openrlhf.rewards.answer_format import (
     AnswerFormat,
     AnswerFormatError,
     answer_format,
     read_chat_template,
 )
+from drpo_openrlhf.rewards.reward_guard import RewardOptionsEngine, guard_engine_rewards
+from drpo_openrlhf.runtime import ray_actors
+from drpo_openrlhf.runtime.preflight import reward_takes
 from drpo_openrlhf.sweep.commands import eval_argv
 from drpo_openrlhf.sweep.spec import SweepError
 from drpo_openrlhf.sweep.validate import load_sweep

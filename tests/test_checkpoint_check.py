@@ -1,4 +1,4 @@
-"""A real checkpoint's pitfalls caught before launch (``integration/checkpoint_check.py``):
+"""A real checkpoint's pitfalls caught before launch (``runtime/checkpoint_check.py``):
 each broken copy of the toy base's files gives its message, naming the file and the fix, and
 the good ones (a list of eos ids, Qwen's padded embedding, a RoPE scaling's reach) stay
 silent. The copies hold no weights: the checks read only config and tokenizer files."""
@@ -14,7 +14,7 @@ import pytest
 from toy_base import FIXTURES
 
 from drpo_openrlhf import train
-from drpo_openrlhf.integration.checkpoint_check import check_checkpoint, context
+from drpo_openrlhf.runtime.checkpoint_check import check_checkpoint, context
 
 BASE = FIXTURES / "qwen2"  # ChatML: <|endoftext|> 0 (pad), <|im_start|> 1, <|im_end|> 2 (eos)
 DELETE = object()

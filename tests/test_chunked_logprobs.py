@@ -1,4 +1,4 @@
-"""Chunked log-probs (``integration/chunked_logprobs.py``, ``integration/chunked_actor.py``)
+"""Chunked log-probs (``update/chunked_logprobs.py``, ``update/chunked_actor.py``)
 equal OpenRLHF's unchunked ones, values and gradients, against a float64 reference; with a
 graph no tensor of the size of the micro-batch's logits is ever allocated.
 
@@ -15,8 +15,8 @@ from openrlhf.models import Actor
 from openrlhf.models.utils import log_probs_from_logits
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from drpo_openrlhf.integration import chunked_actor
-from drpo_openrlhf.integration.chunked_logprobs import chunked_token_log_probs
+from drpo_openrlhf.update import chunked_actor
+from drpo_openrlhf.update.chunked_logprobs import chunked_token_log_probs
 
 B, T, H, V, TEMP = 3, 11, 16, 50, 0.6
 CHUNKS = [1, 4, 7, 32, B * T, 1000]  # 4, 7 and 32 do not divide the 33 tokens

@@ -1,4 +1,4 @@
-"""GPU or CPU run from the Ray cluster, not the driver (``integration/device.py``)."""
+"""GPU or CPU run from the Ray cluster, not the driver (``runtime/device.py``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from drpo_openrlhf.integration.device import ClusterDevices, DeviceError, choose_mode
+from drpo_openrlhf.runtime.device import ClusterDevices, DeviceError, choose_mode
 from drpo_openrlhf.tiny_model import build_tiny_model
 
 REAL_GPUS = ClusterDevices("10.0.0.1:6379", 8.0, True)
@@ -53,7 +53,7 @@ def test_contradictions_are_errors(requested, found, says):
 
 
 PROBE = (
-    "import dataclasses, json; from drpo_openrlhf.integration.device import probe_cluster; "
+    "import dataclasses, json; from drpo_openrlhf.runtime.device import probe_cluster; "
     "print(json.dumps(dataclasses.asdict(probe_cluster(timeout_s=60))))"
 )
 
@@ -103,7 +103,7 @@ def test_gpu_requested_of_fake_gpus_stops_before_anything_starts(fake_gpu_ray, t
 
 def test_a_cluster_that_is_gone_is_a_clear_error(monkeypatch):
     """Ray's address file (or RAY_ADDRESS) naming a stopped cluster: the run stops, saying so."""
-    from drpo_openrlhf.integration import device
+    from drpo_openrlhf.runtime import device
 
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:9")  # nothing listens on the discard port
     with pytest.raises(

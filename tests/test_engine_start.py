@@ -10,8 +10,9 @@ import pytest
 import ray
 from ray.exceptions import RayActorError
 
-from drpo_openrlhf.integration import cpu_support, engine_start
-from drpo_openrlhf.integration.checkpoints import stop_message
+from drpo_openrlhf.runtime import cpu_support
+from drpo_openrlhf.runtime.checkpoints import stop_message
+from drpo_openrlhf.sync import engine_start
 
 # str() of the ActorDiedError Ray 2.55 raises for a call on an actor whose __init__ raised
 RAY_REPORT = (
@@ -51,7 +52,7 @@ def test_an_actor_that_waited_for_a_failed_engine_names_the_engine(tmp_path):
     start reads as the engine's, not as the trainer's."""
     waited = RAY_REPORT.replace("_CPURolloutRayActor", "_GroupAwarePPOTrainer").replace(
         "ValueError: current platform cpu does not support ray",
-        "drpo_openrlhf.integration.engine_start.EngineStartError: vLLM engine 0 of 2 failed "
+        "drpo_openrlhf.sync.engine_start.EngineStartError: vLLM engine 0 of 2 failed "
         "to start: ValueError: injected",
     )
     line = stop_message(RuntimeError(waited), str(tmp_path))

@@ -11,9 +11,14 @@ import pytest
 import torch
 from ray.exceptions import RayTaskError
 
-from drpo_openrlhf.integration import preflight
-from drpo_openrlhf.integration.actor_trainer import NonFiniteUpdateError, check_finite_update
-from drpo_openrlhf.integration.checkpoints import (
+from drpo_openrlhf.rewards.reward_guard import (
+    RewardError,
+    answer_problem,
+    check_rollout_rewards,
+    guard_reward_func,
+)
+from drpo_openrlhf.runtime import preflight
+from drpo_openrlhf.runtime.checkpoints import (
     ASIDE,
     is_complete,
     last_checkpoint,
@@ -21,12 +26,7 @@ from drpo_openrlhf.integration.checkpoints import (
     prepare_resume,
     stop_message,
 )
-from drpo_openrlhf.integration.reward_guard import (
-    RewardError,
-    answer_problem,
-    check_rollout_rewards,
-    guard_reward_func,
-)
+from drpo_openrlhf.update.actor_trainer import NonFiniteUpdateError, check_finite_update
 
 # --- checkpoints ---------------------------------------------------------------------------
 

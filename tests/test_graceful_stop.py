@@ -1,4 +1,4 @@
-"""The graceful stop (``integration/graceful_stop.py``) in the trainer, without Ray: a trainer
+"""The graceful stop (``runtime/graceful_stop.py``) in the trainer, without Ray: a trainer
 built by hand runs OpenRLHF's own ``save_logs_and_checkpoints`` against a stand-in actor group
 that records each ``save_checkpoint``; the generator's cancelling runs its real watcher thread
 against stand-in requests. The launcher's side is in tests/test_slurm_recipes.py (with the
@@ -19,8 +19,8 @@ from openrlhf.utils.config import hierarchize
 from ray.exceptions import TaskCancelledError
 
 from drpo_openrlhf.algo.logprob_gap import GapLimit
-from drpo_openrlhf.integration import ray_actors
-from drpo_openrlhf.integration.graceful_stop import (
+from drpo_openrlhf.runtime import ray_actors
+from drpo_openrlhf.runtime.graceful_stop import (
     STEP_TIMES_FILE,
     STOP_FILE,
     RolloutCanceller,
@@ -30,7 +30,7 @@ from drpo_openrlhf.integration.graceful_stop import (
     clear_stale_request,
     stop_advice,
 )
-from drpo_openrlhf.openrlhf_cli import openrlhf_parser
+from drpo_openrlhf.runtime.openrlhf_cli import openrlhf_parser
 
 OPENRLHF_TRAINER = ppo_trainer.PPOTrainer.__ray_actor_class__  # the class our trainer extends
 SAVE_STEPS = 5

@@ -125,7 +125,7 @@ class ActorGroup:
 def experience_maker(args, actor, strategy):
     """DRPO's experience maker as OpenRLHF builds it, its actor group on this rank, no
     critic, reference or reward model (DRPO's rewards come with the samples)."""
-    from drpo_openrlhf.integration.experience import GroupTaggingExperienceMaker
+    from drpo_openrlhf.update.experience import GroupTaggingExperienceMaker
 
     strategy.args = args
     return GroupTaggingExperienceMaker(
@@ -161,9 +161,9 @@ def dealt_after_scoring(made, samples: list, layout) -> list:
     )
     from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 
-    from drpo_openrlhf.integration.actor_trainer import GROUP_KEY, SLOT_KEY
-    from drpo_openrlhf.integration.experience import GroupTaggingExperienceMaker
-    from drpo_openrlhf.integration.layout import deal_rollout
+    from drpo_openrlhf.update.actor_trainer import GROUP_KEY, SLOT_KEY
+    from drpo_openrlhf.update.experience import GroupTaggingExperienceMaker
+    from drpo_openrlhf.update.layout import deal_rollout
 
     openrlhf_split = RemoteExperienceMaker.split_rollout_samples
     with mock.patch.object(GroupTaggingExperienceMaker, "split_rollout_samples", openrlhf_split):
@@ -179,8 +179,8 @@ def run_rank(rank: int, port: int, out_dir: str) -> None:
     actor_setup.set_rank_env(rank, 1, port)
     torch.set_num_threads(1)
     from drpo_openrlhf.algo import DRPOConfig
-    from drpo_openrlhf.integration import chunked_actor
-    from drpo_openrlhf.integration.actor_trainer import DRPOActorTrainer
+    from drpo_openrlhf.update import chunked_actor
+    from drpo_openrlhf.update.actor_trainer import DRPOActorTrainer
 
     class WithoutFallback(DRPOActorTrainer):
         """Never takes the first step's forward as pi_old."""

@@ -2,7 +2,7 @@ from collections import Counter
 
 import pytest
 
-from drpo_openrlhf.integration.layout import (
+from drpo_openrlhf.update.layout import (
     UNTRAINED,
     Layout,
     LayoutError,

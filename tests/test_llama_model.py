@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from drpo_openrlhf.eval.runner import encode_prompt
-from drpo_openrlhf.integration.tokenizer_check import check_tokenizer, tokenizer_problem
+from drpo_openrlhf.runtime.tokenizer_check import check_tokenizer, tokenizer_problem
 from drpo_openrlhf.tiny_model import (
     LLAMA_ASSISTANT,
     LLAMA_BOS,

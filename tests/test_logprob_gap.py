@@ -20,7 +20,7 @@ from drpo_openrlhf.algo.logprob_gap import (
     pooled_gap,
     probe_gap,
 )
-from drpo_openrlhf.integration.engine_tag import (
+from drpo_openrlhf.sync.engine_tag import (
     ENGINE_KEY,
     EngineTaggingEngine,
     engine_tags,
@@ -118,7 +118,7 @@ F32 = 1e-4  # relative tolerance of a gap computed from float32 log-probs near -
 
 
 def stats(experiences, limit: GapLimit, step: int) -> dict[str, float]:
-    from drpo_openrlhf.integration.ray_actors import rollout_logprob_stats
+    from drpo_openrlhf.runtime.ray_actors import rollout_logprob_stats
 
     return rollout_logprob_stats(experiences, limit, step)
 
@@ -235,7 +235,7 @@ def test_the_honest_gap_is_saved_and_a_resume_far_above_it_stops():
 def test_the_trainer_loads_the_saved_honest_gap_at_a_resume(monkeypatch):
     from openrlhf.trainer import ppo_trainer
 
-    from drpo_openrlhf.integration import ray_actors
+    from drpo_openrlhf.runtime import ray_actors
 
     saved = {"global_step": 5, "logprob_gap": {"honest": 0.039, "step": 1}}
     openrlhf = ppo_trainer.PPOTrainer.__ray_actor_class__

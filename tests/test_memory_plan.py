@@ -1,4 +1,4 @@
-"""The memory plan (``integration/memory_plan.py``): model sizes from shapes, the recipes fit
+"""The memory plan (``runtime/memory_plan.py``): model sizes from shapes, the recipes fit
 80 GB cards and pass their own preflight, settings that cannot fit are refused naming the
 flag, and docs/launch.md shows the numbers the code computes."""
 
@@ -11,8 +11,8 @@ import pytest
 from launch_checks import RECIPES, expected_recipe_args
 
 from drpo_openrlhf import train
-from drpo_openrlhf.integration import memory_plan
-from drpo_openrlhf.integration.memory_plan import KNOWN_SHAPES, ModelShape
+from drpo_openrlhf.runtime import memory_plan
+from drpo_openrlhf.runtime.memory_plan import KNOWN_SHAPES, ModelShape
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "launch.md"
 NODES = {"1.5b": 1, "7b": 2, "8b": 2}  # the recipes' #SBATCH --nodes

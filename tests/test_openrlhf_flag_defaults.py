@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from drpo_openrlhf import train
-from drpo_openrlhf.integration import openrlhf_flags
-from drpo_openrlhf.openrlhf_cli import openrlhf_parser
+from drpo_openrlhf.runtime import openrlhf_flags
+from drpo_openrlhf.runtime.openrlhf_cli import openrlhf_parser
 
 PACKAGE = Path(train.__file__).parent
 ACTIONS = {a.dest: a for a in openrlhf_parser()._actions if a.option_strings}

@@ -18,9 +18,8 @@ from drpo_reference import closed_form_g1
 
 from drpo_openrlhf import train
 from drpo_openrlhf.algo import DRPOConfig, ResponseScalars, length_reward, loss_coefficients
-from drpo_openrlhf.integration import preflight
-from drpo_openrlhf.integration.positive_engine import POSITIVE_KEY, score_group
 from drpo_openrlhf.rewards import positive_reward as pr
+from drpo_openrlhf.rewards.positive_engine import POSITIVE_KEY, score_group
 from drpo_openrlhf.rewards.preference import (
     count_answers,
     count_reflections,
@@ -28,6 +27,7 @@ from drpo_openrlhf.rewards.preference import (
     fewer_reflections,
     restated_answers,
 )
+from drpo_openrlhf.runtime import preflight
 
 TRAIN = [
     *("--actor.model_name_or_path", "some/model", "--rollout.max_new_tokens", "100"),
@@ -274,7 +274,7 @@ def test_an_engine_side_failure_or_hang_raises_naming_the_plugin():
 
 
 def test_engine_mixin_writes_every_response_s_score_into_extra_logs():
-    from drpo_openrlhf.integration.positive_engine import PositiveRewardEngine
+    from drpo_openrlhf.rewards.positive_engine import PositiveRewardEngine
 
     class Engine:
         async def generate_responses(self, prompt, label, *args):
@@ -295,7 +295,7 @@ def test_engine_mixin_writes_every_response_s_score_into_extra_logs():
 def test_the_actor_refuses_a_rollout_without_the_scores():
     from types import SimpleNamespace
 
-    from drpo_openrlhf.integration.actor_trainer import DRPOActorTrainer
+    from drpo_openrlhf.update.actor_trainer import DRPOActorTrainer
 
     trainer = SimpleNamespace(drpo=DRPOConfig(positive_reward="fewer_answers"))
     batch = SimpleNamespace(info={POSITIVE_KEY: [torch.tensor([0.5]), torch.tensor(2.0)]})

@@ -12,7 +12,7 @@ import pytest
 
 PROLOGUE = """
 import atexit, sys, threading, time
-from drpo_openrlhf.integration.process_exit import exit_now
+from drpo_openrlhf.runtime.process_exit import exit_now
 
 class Teardown:
     def __del__(self):

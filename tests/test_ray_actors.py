@@ -13,7 +13,7 @@ import ray
 
 @pytest.mark.slow
 def test_drpo_policy_actor_is_a_ray_actor_subclass_of_openrlhfs(fake_gpu_ray):
-    from drpo_openrlhf.integration.ray_actors import DRPOPolicyModelActor
+    from drpo_openrlhf.runtime.ray_actors import DRPOPolicyModelActor
 
     actor = DRPOPolicyModelActor.options(num_cpus=1, num_gpus=1).remote(1, 0, None, None)
     names = ray.get(
@@ -93,7 +93,7 @@ def actor_exit_marks(address: str, tmp_path, hook: str | None) -> set[str]:
 def test_a_cpu_runs_actor_ends_without_the_teardown(fake_gpu_ray, tmp_path):
     """The hook a CPU run's workers get (``cpu_support.enable``) ends them through
     ``exit_now``: exit handlers, no teardown. The control, without it, shows the teardown."""
-    from drpo_openrlhf.integration.launch import CPU_WORKER_SETUP_HOOK
+    from drpo_openrlhf.runtime.launch import CPU_WORKER_SETUP_HOOK
 
     hooked = actor_exit_marks(fake_gpu_ray, tmp_path / "hooked", CPU_WORKER_SETUP_HOOK)
     assert hooked == {"exit_handler"}

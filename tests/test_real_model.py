@@ -18,8 +18,8 @@ from toy_base import FIXTURES
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from drpo_openrlhf import real_model
-from drpo_openrlhf.integration.tokenizer_check import tokenizer_problem
 from drpo_openrlhf.real_model import RealModelError, build, fix_tokenizer, stamp_problem
+from drpo_openrlhf.runtime.tokenizer_check import tokenizer_problem
 
 FAKE_GGUF = b"GGUF stand-in"
 

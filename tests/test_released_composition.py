@@ -21,7 +21,7 @@ from drpo_openrlhf.algo import (
     response_scalars,
     surrogate_loss,
 )
-from drpo_openrlhf.integration.layout import Layout, deal_rollout, plan_from_slots
+from drpo_openrlhf.update.layout import Layout, deal_rollout, plan_from_slots
 
 pytestmark = pytest.mark.usefixtures("float64_default")
 WORLD, ROWS, N, PROMPTS = 8, 4, 8, 32  # the paper's mini-batch: 256 responses

@@ -21,7 +21,7 @@ CASE = Case(zero_stage=2, micro_batch_size=4)
 def fresh_trainer(ckpt_dir: str):
     import actor_setup
 
-    from drpo_openrlhf.integration.actor_trainer import DRPOActorTrainer
+    from drpo_openrlhf.update.actor_trainer import DRPOActorTrainer
 
     args = openrlhf_args(CASE, 1)
     args.ckpt.path = ckpt_dir
@@ -55,7 +55,7 @@ def resume_worker(rank: int, port: int, ckpt_dir: str, out: str) -> None:
     import actor_setup
 
     actor_setup.set_rank_env(rank, 1, port)
-    from drpo_openrlhf.integration import ray_actors
+    from drpo_openrlhf.runtime import ray_actors
 
     # uninterrupted: two rollouts (with an EMA model, whose update is recorded, not run)
     strategy, actor, trainer = fresh_trainer(ckpt_dir)
@@ -91,7 +91,7 @@ def resume_worker(rank: int, port: int, ckpt_dir: str, out: str) -> None:
 
 @pytest.mark.slow
 def test_resume_continues_like_an_uninterrupted_run(tmp_path):
-    from drpo_openrlhf.integration import ray_actors
+    from drpo_openrlhf.runtime import ray_actors
 
     out = tmp_path / "result.pt"
     mp.spawn(
@@ -108,7 +108,7 @@ def test_resume_continues_like_an_uninterrupted_run(tmp_path):
 
 
 def test_changed_settings_on_resume_are_reported(caplog):
-    from drpo_openrlhf.integration import ray_actors
+    from drpo_openrlhf.runtime import ray_actors
 
     saved = asdict(DRPOConfig(lam=0.1))
     with caplog.at_level(logging.WARNING):

@@ -13,14 +13,14 @@ from openrlhf.utils.config import hierarchize
 from drpo_openrlhf.algo.logprob_gap import GapLimit
 from drpo_openrlhf.algo.shaper import GroupRewardShaper
 from drpo_openrlhf.algo.shaping import shape_rewards
-from drpo_openrlhf.integration import ray_actors
-from drpo_openrlhf.integration.graceful_stop import StepTimes
-from drpo_openrlhf.integration.shaping import (
+from drpo_openrlhf.runtime import ray_actors
+from drpo_openrlhf.runtime.graceful_stop import StepTimes
+from drpo_openrlhf.runtime.openrlhf_cli import openrlhf_parser
+from drpo_openrlhf.update.shaping import (
     ShapingExperienceMaker,
     advantage_signal_stats,
     shape_experiences,
 )
-from drpo_openrlhf.openrlhf_cli import openrlhf_parser
 
 OPENRLHF_TRAINER = PPOTrainer.__ray_actor_class__  # the class our trainer extends
 

@@ -1,4 +1,4 @@
-"""The driver's step line and the stop of a run that cannot learn (``integration/signal_watch``,
+"""The driver's step line and the stop of a run that cannot learn (``update/signal_watch``,
 ``ray_actors._GroupAwarePPOTrainer._watch_signal``), on hand-built rollouts."""
 
 from dataclasses import asdict
@@ -11,10 +11,10 @@ from test_train_cli import BASE
 
 from drpo_openrlhf import train
 from drpo_openrlhf.algo import DRPOConfig
-from drpo_openrlhf.integration import ray_actors
-from drpo_openrlhf.integration.actor_trainer import GROUP_KEY
-from drpo_openrlhf.integration.checkpoints import mark_complete, stop_message
-from drpo_openrlhf.integration.signal_watch import (
+from drpo_openrlhf.runtime import ray_actors
+from drpo_openrlhf.runtime.checkpoints import mark_complete, stop_message
+from drpo_openrlhf.update.actor_trainer import GROUP_KEY
+from drpo_openrlhf.update.signal_watch import (
     NoLearningSignalError,
     SignalWatch,
     format_shares,

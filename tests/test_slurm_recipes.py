@@ -37,7 +37,7 @@ from launch_checks import (
 from slurm_cluster import NODES, SlurmCluster, module_cluster
 
 from drpo_openrlhf.eval.tensorboard_logs import read_scalars
-from drpo_openrlhf.integration.checkpoints import is_complete
+from drpo_openrlhf.runtime.checkpoints import is_complete
 
 pytestmark = pytest.mark.slow
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from drpo_openrlhf.integration import sync_check
-from drpo_openrlhf.integration.sync_check import digests_of_sent, worker_report
-from drpo_openrlhf.integration.vllm_sync_worker import WeightSyncRecorder
-from drpo_openrlhf.integration.weight_digest import digest, engine_problems
+from drpo_openrlhf.sync import sync_check
+from drpo_openrlhf.sync.sync_check import digests_of_sent, worker_report
+from drpo_openrlhf.sync.vllm_sync_worker import WeightSyncRecorder
+from drpo_openrlhf.sync.weight_digest import digest, engine_problems
 
 VOCAB, PADDED, DIM = 10, 16, 4
 

@@ -198,9 +198,9 @@ def entry_point(monkeypatch):
     from openrlhf.trainer import ppo_trainer
     from openrlhf.trainer.ray import ppo_actor, vllm_engine
 
-    from drpo_openrlhf.integration import cpu_support, launch
-    from drpo_openrlhf.integration.device import ClusterDevices
-    from drpo_openrlhf.openrlhf_cli import openrlhf_parser
+    from drpo_openrlhf.runtime import cpu_support, launch
+    from drpo_openrlhf.runtime.device import ClusterDevices
+    from drpo_openrlhf.runtime.openrlhf_cli import openrlhf_parser
 
     for module, name in [
         (openrlhf_config, "hierarchize"),
@@ -236,7 +236,7 @@ def entry_point(monkeypatch):
 
 
 def test_main_runs_openrlhf_with_the_drpo_actors(entry_point):
-    from drpo_openrlhf.integration import ray_actors
+    from drpo_openrlhf.runtime import ray_actors
 
     seen = entry_point
     train.main([*BASE, "--drpo.lam", "0.2", "--drpo.max_steps", "7"])
@@ -256,8 +256,8 @@ def test_main_removes_a_stale_stop_request_before_the_run_starts(
     entry_point, tmp_path, monkeypatch, capsys
 ):
     """A requeued run must not stop after its first step on the request that stopped the
-    previous one (integration/graceful_stop.py)."""
-    from drpo_openrlhf.integration.graceful_stop import STOP_FILE
+    previous one (runtime/graceful_stop.py)."""
+    from drpo_openrlhf.runtime.graceful_stop import STOP_FILE
 
     request = tmp_path / STOP_FILE
     request.touch()
@@ -277,7 +277,7 @@ def test_main_ends_cleanly_when_the_trainer_stopped_on_request(entry_point, monk
     step is saved, so the run ends with exit 0 and one line, not a stop message."""
     from ray.exceptions import RayTaskError
 
-    from drpo_openrlhf.integration.graceful_stop import StopRequested
+    from drpo_openrlhf.runtime.graceful_stop import StopRequested
 
     def stopped_trainer(*args, **kwargs):
         try:
@@ -360,13 +360,13 @@ def test_bad_baseline_settings_are_usage_errors(extra, message, capsys):
 def test_main_in_baseline_mode_keeps_openrlhfs_actor(entry_point):
     """Baselines train with OpenRLHF's PPO update; only the sync check, the complete-checkpoint
     marker, chunked log-probs and the non-finite update check are added to it."""
-    from drpo_openrlhf.integration.checkpoints import CompleteCheckpointActor
-    from drpo_openrlhf.integration.ray_actors import (
+    from drpo_openrlhf.runtime.checkpoints import CompleteCheckpointActor
+    from drpo_openrlhf.runtime.ray_actors import (
         BaselinePolicyModelActor,
         GroupAwarePPOTrainer,
         _BaselinePolicyModelActor,
     )
-    from drpo_openrlhf.integration.sync_check import SentDigestsActor
+    from drpo_openrlhf.sync.sync_check import SentDigestsActor
 
     train.main([*BASE, "--shaping.method", "hapo", "--shaping.params", "w=1"])
     assert entry_point["actor"] is BaselinePolicyModelActor

@@ -1,4 +1,4 @@
-"""The positional weight digest and its comparison (``integration/weight_digest.py``), without
+"""The positional weight digest and its comparison (``sync/weight_digest.py``), without
 vLLM: exactness about values and places, sums over pieces (fusing, sharding, replicated KV
 heads), the layout found from a loader's writes, and every way an engine can differ."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drpo_openrlhf.integration.weight_digest import (
+from drpo_openrlhf.sync.weight_digest import (
     MASK64,
     Block,
     Digest,
@@ -68,7 +68,7 @@ def test_digest_sees_every_bit_and_every_place(dtype):
 def test_digest_chunks_add_up(monkeypatch):
     x = torch.randn(100, 10).bfloat16()
     whole = digest(x)
-    monkeypatch.setattr("drpo_openrlhf.integration.weight_digest.CHUNK", 7)
+    monkeypatch.setattr("drpo_openrlhf.sync.weight_digest.CHUNK", 7)
     assert digest(x) == whole
 
 

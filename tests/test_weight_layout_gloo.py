@@ -16,8 +16,8 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from drpo_openrlhf.integration.sync_check import worker_report
-from drpo_openrlhf.integration.weight_digest import digest, engine_problems
+from drpo_openrlhf.sync.sync_check import worker_report
+from drpo_openrlhf.sync.weight_digest import digest, engine_problems
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +46,7 @@ def _load_and_compute(rank: int, port: int, weights: dict) -> tuple:
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
-    from drpo_openrlhf.integration.vllm_cpu_worker import _live_linear
+    from drpo_openrlhf.sync.vllm_cpu_worker import _live_linear
 
     torch.set_num_threads(1)
     os.environ["VLLM_DIST_IDENT"] = f"drpo-test-{port}"  # what vLLM's CPU executor sets

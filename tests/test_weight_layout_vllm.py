@@ -22,9 +22,9 @@ from torch import nn
 from vllm.model_executor import parameter as vllm_parameter
 from vllm.model_executor.layers import linear, vocab_parallel_embedding
 
-from drpo_openrlhf.integration.sync_check import worker_report
-from drpo_openrlhf.integration.vllm_sync_worker import WeightSyncRecorder
-from drpo_openrlhf.integration.weight_digest import LayoutError, digest, engine_problems
+from drpo_openrlhf.sync.sync_check import worker_report
+from drpo_openrlhf.sync.vllm_sync_worker import WeightSyncRecorder
+from drpo_openrlhf.sync.weight_digest import LayoutError, digest, engine_problems
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from bench_weight_map import allocator_peak

@@ -103,7 +103,7 @@ def positive_rewards(r: ResponseScalars, config: DRPOConfig, max_len: float) -> 
     if r.preference is None:
         raise ValueError(
             f"positive reward {config.positive_reward!r}: the responses carry no score of it "
-            "(it is computed where the rewards run: integration/positive_engine.py)"
+            "(it is computed where the rewards run: rewards/positive_engine.py)"
         )
     return r.preference.to(r.score.dtype)
 

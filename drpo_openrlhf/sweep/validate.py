@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from drpo_openrlhf.integration import preflight
+from drpo_openrlhf.runtime import preflight
 from drpo_openrlhf.sweep.spec import SEED, Sweep, SweepError, parse_sweep, read_file
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")

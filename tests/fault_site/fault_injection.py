@@ -95,7 +95,7 @@ def _patch_vllm_engine_args(module) -> None:
 
 
 PATCHES = {
-    "drpo_openrlhf.integration.actor_trainer": _patch_actor_trainer,
+    "drpo_openrlhf.update.actor_trainer": _patch_actor_trainer,
     "deepspeed.runtime.engine": _patch_deepspeed_engine,
     "vllm.engine.arg_utils": _patch_vllm_engine_args,
 }

@@ -7,7 +7,7 @@ import importlib.machinery
 import os
 import sys
 
-TARGET = "drpo_openrlhf.integration.vllm_cpu_worker"
+TARGET = "drpo_openrlhf.sync.vllm_cpu_worker"
 
 
 class _BreakSyncOnImport(importlib.abc.MetaPathFinder):

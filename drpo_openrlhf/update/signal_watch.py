@@ -28,7 +28,7 @@ DEFAULT_LIMIT = 3
 # OpenRLHF's estimators that compare each response with its own group only: a group whose
 # rewards are all equal gets zero advantages under them (the others compare across the batch)
 GROUP_RELATIVE_ESTIMATORS = frozenset({"rloo", "group_norm", "dr_grpo", "reinforce_baseline"})
-SHAPED_KEY = "shaped_reward"  # ``integration/shaping.py``'s column of a baseline's rewards
+SHAPED_KEY = "shaped_reward"  # ``update/shaping.py``'s column of a baseline's rewards
 
 # What to change when wrong answers fail for a reward function's reason (math_reward.py's and
 # kk_reward.py's reasons, docs/rewards.md); a reason without an entry is named without a fix.
@@ -205,7 +205,7 @@ def rollout_signal(
     """A rollout's ``RolloutSignal``: DRPO's groups under ``config``, or, with ``config``
     None, a baseline's under OpenRLHF's advantage ``estimator``."""
     # imported here: the entry point reads this module's flag before anything GPU-side loads
-    from drpo_openrlhf.integration.actor_trainer import GROUP_KEY, correctness
+    from drpo_openrlhf.update.actor_trainer import GROUP_KEY, correctness
 
     sizes = [e.scores.numel() for e in experiences]
     correct = correctness(torch.cat([e.scores.reshape(-1) for e in experiences]))

@@ -3,7 +3,7 @@
 OpenRLHF 0.11.2 creates its engines as Ray actors and does not wait for them
 (``create_vllm_engines``). The first process to need them is actor rank 0, whose weight-sync
 group (``ActorPPOTrainer._init_vllm_sync_group``) waits for every engine to join it: for the
-TCP store's timeout on CPU (``cpu_support.SYNC_TIMEOUT``, 10 minutes), and on GPU in vLLM's
+TCP store's timeout on CPU (``gloo_group.SYNC_TIMEOUT``, 10 minutes), and on GPU in vLLM's
 ``StatelessProcessGroup``. An engine that died while starting never joins, so the run hung
 silently. Here rank 0 first waits for every engine's start to finish, and stops on the first
 that failed with ``EngineStartError``, whose message ends in the engine's own error (or on

@@ -24,7 +24,7 @@ from openrlhf.models import Actor
 from openrlhf.models.ring_attn_utils import gather_and_pad_tensor, unpad_and_slice_tensor
 from torch import Tensor
 
-from drpo_openrlhf.integration.chunked_logprobs import chunked_token_log_probs
+from drpo_openrlhf.update.chunked_logprobs import chunked_token_log_probs
 
 OFF_HINT = "set --drpo.logprob_chunk_tokens 0 for OpenRLHF's unchunked forward"
 

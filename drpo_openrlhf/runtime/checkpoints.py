@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from drpo_openrlhf.integration.engine_start import start_failure
+from drpo_openrlhf.sync.engine_start import start_failure
 
 MARKER = "drpo_complete.json"
 ASIDE = "_incomplete"  # under --ckpt.path, beside _actor, out of OpenRLHF's rotation

@@ -7,27 +7,22 @@ start of every worker process of a CPU run (``worker_process_setup_hook``), and 
 engines get ``vllm_cpu_worker.CPUWorkerWrap`` as their worker extension, which receives
 weights over gloo.
 
-Weight sync on CPU is a gloo group of its own (``ProcessGroupGloo`` over a ``TCPStore``)
-between actor rank 0 and every vLLM worker. OpenRLHF's default (vLLM's NCCL communicator)
-disables itself without CUDA and turns every broadcast into a silent no-op; Ray's collective
-gloo group re-uses the process's default group, which DeepSpeed and vLLM already own.
+Weight sync on CPU is the gloo group of ``sync/gloo_group.py``; Ray's collective gloo group
+would re-use the process's default group, which DeepSpeed and vLLM already own.
 """
 
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
-from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from drpo_openrlhf.integration.process_exit import end_workers_without_teardown
+from drpo_openrlhf.runtime.process_exit import end_workers_without_teardown
+from drpo_openrlhf.sync.gloo_group import GlooBroadcastGroup
 
 logger = logging.getLogger(__name__)
 
-SYNC_TIMEOUT = timedelta(minutes=10)
-CPU_WORKER_EXTENSION = "drpo_openrlhf.integration.vllm_cpu_worker.CPUWorkerWrap"
+CPU_WORKER_EXTENSION = "drpo_openrlhf.sync.vllm_cpu_worker.CPUWorkerWrap"
 
 
 def has_gpu() -> bool:
@@ -61,26 +56,6 @@ def check_layout(
             "can corrupt the weights OpenRLHF loads under zero.Init): use --ds.zero_stage 2, "
             "or one actor rank"
         )
-
-
-class GlooBroadcastGroup:
-    """The weight-sync group: a gloo process group outside ``torch.distributed``'s default
-    group, with the ``broadcast(tensor, src, stream)`` call OpenRLHF makes on vLLM's NCCL
-    communicator (``trainer/ray/ppo_actor.py``: ``_broadcast_param``)."""
-
-    def __init__(self, master_address: str, master_port: int, rank: int, world_size: int):
-        store = dist.TCPStore(
-            master_address, master_port, world_size, is_master=rank == 0, timeout=SYNC_TIMEOUT
-        )
-        self.group = dist.ProcessGroupGloo(
-            dist.PrefixStore("drpo_weight_sync", store), rank, world_size, SYNC_TIMEOUT
-        )
-        self.store = store  # the group keeps a reference, but the master must outlive it
-
-    def broadcast(self, tensor: torch.Tensor, src: int = 0, stream: Any = None) -> None:
-        options = dist.BroadcastOptions()
-        options.rootRank = src
-        self.group.broadcast([tensor], options).wait()
 
 
 def _stateless_gloo_group(master_address, master_port, rank, world_size, device=None):
@@ -155,4 +130,4 @@ def enable() -> None:
         torch.cuda._drpo_cpu_support = False
         raise
     end_workers_without_teardown()
-    logger.info("no CUDA device: OpenRLHF runs on CPU (drpo_openrlhf.integration.cpu_support)")
+    logger.info("no CUDA device: OpenRLHF runs on CPU (drpo_openrlhf.runtime.cpu_support)")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from drpo_openrlhf.integration.tokenizer_check import load_tokenizer
+from drpo_openrlhf.runtime.tokenizer_check import load_tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # vLLM's keys for a model's context (transformers_utils/model_arch_config_convertor.py): the

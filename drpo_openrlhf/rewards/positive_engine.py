@@ -20,8 +20,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from drpo_openrlhf.integration.reward_guard import TIMEOUT_ENV, call_timeout_s
 from drpo_openrlhf.rewards.positive_reward import PositiveReward, PositiveRewardError, load
+from drpo_openrlhf.rewards.reward_guard import TIMEOUT_ENV, call_timeout_s
 
 logger = logging.getLogger(__name__)
 POSITIVE_KEY = "drpo_positive_reward"  # experience.info key: each response's positive reward

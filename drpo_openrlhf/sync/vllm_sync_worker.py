@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
 
-from drpo_openrlhf.integration.weight_digest import (
+from drpo_openrlhf.sync.weight_digest import (
     Block,
     Digest,
     LayoutError,

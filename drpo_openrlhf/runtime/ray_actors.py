@@ -23,18 +23,11 @@ from ray.exceptions import TaskCancelledError
 from drpo_openrlhf.algo import DRPOConfig
 from drpo_openrlhf.algo.logprob_gap import GapLimit, gaps_by_engine, pooled_gap
 from drpo_openrlhf.algo.shaper import GroupRewardShaper
-from drpo_openrlhf.integration import chunked_actor, engine_start
-from drpo_openrlhf.integration.actor_trainer import DRPOActorTrainer, FiniteCheckedPPOTrainer
-from drpo_openrlhf.integration.checkpoints import CompleteCheckpointActor
-from drpo_openrlhf.integration.cpu_support import CPU_WORKER_EXTENSION
-from drpo_openrlhf.integration.engine_tag import (
-    EngineTaggingEngine,
-    engine_tags,
-    pop_engine_tags,
-    tag_engines,
-)
-from drpo_openrlhf.integration.experience import GroupTaggingExperienceMaker
-from drpo_openrlhf.integration.graceful_stop import (
+from drpo_openrlhf.rewards.positive_engine import PositiveRewardEngine
+from drpo_openrlhf.rewards.reward_guard import RewardOptionsEngine, guard_engine_rewards
+from drpo_openrlhf.runtime.checkpoints import CompleteCheckpointActor
+from drpo_openrlhf.runtime.cpu_support import CPU_WORKER_EXTENSION
+from drpo_openrlhf.runtime.graceful_stop import (
     RolloutCanceller,
     StepTimes,
     StopBeforeUpdate,
@@ -43,21 +36,29 @@ from drpo_openrlhf.integration.graceful_stop import (
     stop_message,
     stop_requested,
 )
-from drpo_openrlhf.integration.positive_engine import PositiveRewardEngine
-from drpo_openrlhf.integration.reward_guard import RewardOptionsEngine, guard_engine_rewards
-from drpo_openrlhf.integration.shaping import ShapingExperienceMaker, advantage_signal_stats
-from drpo_openrlhf.integration.signal_watch import (
-    NoLearningSignalError,
-    SignalWatch,
-    rollout_signal,
+from drpo_openrlhf.sync import engine_start
+from drpo_openrlhf.sync.engine_tag import (
+    EngineTaggingEngine,
+    engine_tags,
+    pop_engine_tags,
+    tag_engines,
 )
-from drpo_openrlhf.integration.sync_check import (
+from drpo_openrlhf.sync.sync_check import (
     ProbingSamplesGenerator,
     SentDigestsActor,
     SyncReportingEngine,
     VerifiedSyncTrainer,
 )
-from drpo_openrlhf.integration.vllm_sync_worker import GPU_WORKER_EXTENSION
+from drpo_openrlhf.sync.vllm_sync_worker import GPU_WORKER_EXTENSION
+from drpo_openrlhf.update import chunked_actor
+from drpo_openrlhf.update.actor_trainer import DRPOActorTrainer, FiniteCheckedPPOTrainer
+from drpo_openrlhf.update.experience import GroupTaggingExperienceMaker
+from drpo_openrlhf.update.shaping import ShapingExperienceMaker, advantage_signal_stats
+from drpo_openrlhf.update.signal_watch import (
+    NoLearningSignalError,
+    SignalWatch,
+    rollout_signal,
+)
 
 logger = logging.getLogger(__name__)
 # our keys in OpenRLHF's checkpoint client state

@@ -76,14 +76,14 @@ from drpo_openrlhf.algo import (
     surrogate_loss,
 )
 from drpo_openrlhf.algo.learning_signal import signal_diagnostics
-from drpo_openrlhf.integration.layout import (
+from drpo_openrlhf.rewards.positive_engine import POSITIVE_KEY
+from drpo_openrlhf.update.layout import (
     Layout,
     LayoutError,
     assign_group_steps,
     pack_group_microsteps,
     plan_from_slots,
 )
-from drpo_openrlhf.integration.positive_engine import POSITIVE_KEY
 
 logger = logging.getLogger(__name__)
 GROUP_KEY = "drpo_group"  # experience.info key carrying each response's prompt-group id
@@ -243,7 +243,7 @@ class DRPOActorTrainer(ActorPPOTrainer):
         if any(SLOT_KEY not in item.info for item in items):
             raise LayoutError(
                 "the rollout reached this rank without DRPO's slots: it must be dealt by "
-                "drpo_openrlhf.integration.experience.GroupTaggingExperienceMaker"
+                "drpo_openrlhf.update.experience.GroupTaggingExperienceMaker"
             )
         slots = [int(item.info[SLOT_KEY]) for item in items]
         plan = plan_from_slots(slots, self.drpo_layout)
@@ -354,7 +354,7 @@ class DRPOActorTrainer(ActorPPOTrainer):
             raise ValueError(
                 f"--drpo.positive_reward {self.drpo.positive_reward}: the rollout reached the "
                 "actor without its scores (the vLLM engines must be DRPO's: "
-                "integration/ray_actors.py)"
+                "runtime/ray_actors.py)"
             )
         values = torch.stack([torch.as_tensor(v).flatten()[0] for v in batch.info[POSITIVE_KEY]])
         return values.double().to(device)

@@ -14,9 +14,9 @@ from dataclasses import asdict
 from types import SimpleNamespace
 
 from drpo_openrlhf.algo import DRPOConfig
-from drpo_openrlhf.integration import cpu_support
-from drpo_openrlhf.integration.device import resolve_mode
-from drpo_openrlhf.openrlhf_cli import TRAIN_MODULE, openrlhf_parser
+from drpo_openrlhf.runtime import cpu_support
+from drpo_openrlhf.runtime.device import resolve_mode
+from drpo_openrlhf.runtime.openrlhf_cli import TRAIN_MODULE, openrlhf_parser
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def with_rollout_logprobs(create_vllm_engines):
 
 
 # every worker of a CPU run calls it first: the CPU patches, and the exit without teardown
-CPU_WORKER_SETUP_HOOK = "drpo_openrlhf.integration.cpu_support.enable"
+CPU_WORKER_SETUP_HOOK = "drpo_openrlhf.runtime.cpu_support.enable"
 
 
 def init_cpu_ray(args: dict, address: str | None) -> None:
@@ -124,7 +124,7 @@ def run_openrlhf(openrlhf_argv: list[str], config: DRPOConfig, run: SimpleNamesp
     from openrlhf.trainer import ppo_trainer
     from openrlhf.trainer.ray import ppo_actor, vllm_engine
 
-    from drpo_openrlhf.integration.ray_actors import (
+    from drpo_openrlhf.runtime.ray_actors import (
         BaselinePolicyModelActor,
         CPURolloutRayActor,
         DRPOPolicyModelActor,

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from vllm.model_executor.layers import utils as vllm_layer_utils
 
-from drpo_openrlhf.integration.cpu_support import GlooBroadcastGroup
-from drpo_openrlhf.integration.vllm_sync_worker import WeightSyncRecorder
+from drpo_openrlhf.sync.gloo_group import GlooBroadcastGroup
+from drpo_openrlhf.sync.vllm_sync_worker import WeightSyncRecorder
 
 
 def _live_linear(layer: torch.nn.Module, remove_weight: bool) -> None:

@@ -13,7 +13,7 @@ from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 
 from drpo_openrlhf.algo.learning_signal import signal_diagnostics
 from drpo_openrlhf.algo.shaper import GroupRewardShaper
-from drpo_openrlhf.integration.reward_guard import check_rollout_rewards
+from drpo_openrlhf.rewards.reward_guard import check_rollout_rewards
 
 
 def shape_experiences(shaper: GroupRewardShaper, experiences: list) -> None:

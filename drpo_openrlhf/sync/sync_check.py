@@ -44,7 +44,7 @@ from drpo_openrlhf.algo.weight_probe import (
     compare_probe,
     probe_token_ids,
 )
-from drpo_openrlhf.integration.weight_digest import Digest, WorkerReport, check_sync, digest
+from drpo_openrlhf.sync.weight_digest import Digest, WorkerReport, check_sync, digest
 
 SYNC_METHODS = ("update_weight", "update_weight_cuda_ipc")
 

@@ -45,14 +45,14 @@ import torch
 from openrlhf.trainer.ppo_utils.experience import Experience
 from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 
-from drpo_openrlhf.integration.actor_trainer import GROUP_KEY, SLOT_KEY, cut_longest_first
-from drpo_openrlhf.integration.layout import (
+from drpo_openrlhf.rewards.reward_guard import check_rollout_rewards
+from drpo_openrlhf.update.actor_trainer import GROUP_KEY, SLOT_KEY, cut_longest_first
+from drpo_openrlhf.update.layout import (
     UNTRAINED,
     Layout,
     data_parallel_size,
     deal_rollout,
 )
-from drpo_openrlhf.integration.reward_guard import check_rollout_rewards
 
 
 def layout_of(args, world_size: int) -> Layout:
