@@ -118,7 +118,8 @@ MODES = {
 
 def toy_policy(setup: Setup) -> tuple[Path, Path]:
     """The demo's quick SFT policy (about half its answers right) and its prompts; built once."""
-    from drpo_openrlhf.demo.run import DemoConfig, make_problems, train_base
+    from drpo_openrlhf.demo.bases import train_base
+    from drpo_openrlhf.demo.config import DemoConfig, make_problems
     from drpo_openrlhf.demo.toy_task import write_jsonl
 
     root = setup.work / "toy"

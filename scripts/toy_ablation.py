@@ -1,7 +1,7 @@
 """Why does DisCO trail RLOO on the demo's toy? Each setting over several seeds (docs/demo.md).
 
 Every run is ``make demo``'s: the same seeded data, SFT base, ``python -m drpo_openrlhf.train``
-command and ``drpo-eval`` evaluation (``drpo_openrlhf/demo/run.py``); a setting changes only
+command and ``drpo-eval`` evaluation (``drpo_openrlhf/demo/``); a setting changes only
 the flags it names. Results are written per (setting, seed) as they finish, so a rerun skips
 what is done; ``--report`` prints the table (mean and min..max over seeds).
 
@@ -19,16 +19,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from drpo_openrlhf.demo.run import (
-    DemoConfig,
-    Run,
-    evaluate,
-    local_ray_cluster,
-    misled_share,
-    run_logged,
-    train_command,
-    with_seed,
-)
+from drpo_openrlhf.demo.config import DemoConfig, with_seed
+from drpo_openrlhf.demo.results import evaluate, misled_share
+from drpo_openrlhf.demo.training import Run, local_ray_cluster, run_logged, train_command
 from drpo_openrlhf.sweep.toy import build_seed
 
 DISCO = ("--drpo.lam", "inf")

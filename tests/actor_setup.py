@@ -232,7 +232,7 @@ def dealt_share(
     """The rollout positions ``rank`` receives under DRPO's cross-rank layout and their
     ``info`` (group ids and slots), as ``experience.deal_samples`` deals them (``lengths``:
     each share of a step cut longest first, where ``cut_longest_first``)."""
-    from drpo_openrlhf.update.actor_trainer import GROUP_KEY, SLOT_KEY
+    from drpo_openrlhf.update.keys import GROUP_KEY, SLOT_KEY
     from drpo_openrlhf.update.layout import deal_rollout
 
     dealt = deal_rollout(group_ids.tolist(), layout, allow_partial=allow_partial, lengths=lengths)

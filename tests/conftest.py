@@ -161,7 +161,7 @@ def _toy(root: Path, architecture: str) -> dict[str, Path]:
     """The demo's quick base policy (about half its rollouts correct), shipped with the tests
     (``tests/toy_base.py``) and copied, and its data (``base``: an HF model dir;
     ``train``/``eval``: jsonl)."""
-    from drpo_openrlhf.demo.run import DemoConfig, make_problems
+    from drpo_openrlhf.demo.config import DemoConfig, make_problems
     from drpo_openrlhf.demo.toy_task import write_jsonl
 
     train_problems, eval_problems = make_problems(DemoConfig.quick())

@@ -71,7 +71,7 @@ def rank_share(case: Case, rank: int, world: int) -> tuple[torch.Tensor, dict]:
     ``info`` (group ids; slots unless under dynamic batching; positive rewards when the case
     has them)."""
     from drpo_openrlhf.rewards.positive_engine import POSITIVE_KEY
-    from drpo_openrlhf.update.actor_trainer import GROUP_KEY
+    from drpo_openrlhf.update.keys import GROUP_KEY
 
     group_ids = torch.arange(PROMPTS * N) // N
     # under dynamic batching OpenRLHF deals responses out by length, so a group's responses
@@ -80,7 +80,7 @@ def rank_share(case: Case, rank: int, world: int) -> tuple[torch.Tensor, dict]:
         local = torch.arange(rank, PROMPTS * N, world)
         info = {GROUP_KEY: group_ids[local]}
     else:  # the driver deals the (possibly short) rollout as experience.deal_samples does
-        from drpo_openrlhf.update.actor_trainer import cut_longest_first
+        from drpo_openrlhf.update.layout import cut_longest_first
 
         short = group_ids[: PROMPTS * N - case.short]
         dealt = layout(case, world)
@@ -431,7 +431,7 @@ def reference_weights(case: Case, world: int) -> tuple[list[torch.Tensor], list[
             for k in range(PROMPTS // groups_per_step)
         ]
     else:  # global micro-step j of step k: every rank's responses in slot k * M + j
-        from drpo_openrlhf.update.actor_trainer import SLOT_KEY
+        from drpo_openrlhf.update.keys import SLOT_KEY
 
         shares = [rank_share(case, r, world) for r in range(world)]
         positions = torch.cat([p for p, _ in shares])

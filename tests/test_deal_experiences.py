@@ -37,7 +37,7 @@ def actor_batches(batches: list, layout) -> list:
         split_experience_batch,
     )
 
-    from drpo_openrlhf.update.actor_trainer import SLOT_KEY
+    from drpo_openrlhf.update.keys import SLOT_KEY
     from drpo_openrlhf.update.layout import plan_from_slots
 
     batches = copy.deepcopy(batches)  # the actors receive copies; the split drops ``index``
@@ -63,7 +63,7 @@ def assert_same_forward(old, new) -> None:
     ids=["2-ranks-micro2", "released-rank-per-response", "1-rank-micro4"],
 )
 def test_each_ranks_chunk_is_its_dealt_share_one_batch_per_micro_batch(world, micro):
-    from drpo_openrlhf.update.actor_trainer import SLOT_KEY
+    from drpo_openrlhf.update.keys import SLOT_KEY
     from drpo_openrlhf.update.layout import Layout, deal_rollout
 
     layout = Layout(world, N, PROMPTS, 16, micro)
@@ -84,8 +84,7 @@ def test_each_ranks_chunk_is_its_dealt_share_one_batch_per_micro_batch(world, mi
 
 
 def test_the_scores_pass_under_the_minibatch_kl_is_cut_longest_first_at_the_deal():
-    from drpo_openrlhf.update.actor_trainer import cut_longest_first
-    from drpo_openrlhf.update.layout import Layout
+    from drpo_openrlhf.update.layout import Layout, cut_longest_first
 
     layout = Layout(2, N, PROMPTS, 16, 1)  # 1 x 2 ranks: micro-steps cannot hold groups of 4
     assert cut_longest_first(layout, "minibatch")
@@ -101,7 +100,7 @@ def test_the_scores_pass_under_the_minibatch_kl_is_cut_longest_first_at_the_deal
 
 
 def test_a_short_rollouts_untrained_responses_get_batches_of_their_own_when_every_rank_has_some():
-    from drpo_openrlhf.update.actor_trainer import SLOT_KEY
+    from drpo_openrlhf.update.keys import SLOT_KEY
     from drpo_openrlhf.update.layout import UNTRAINED, Layout
 
     layout = Layout(2, N, PROMPTS, 16, 2)
@@ -116,7 +115,7 @@ def test_a_short_rollouts_untrained_responses_get_batches_of_their_own_when_ever
 
 
 def test_fewer_untrained_responses_than_ranks_ride_in_their_ranks_last_micro_batch():
-    from drpo_openrlhf.update.actor_trainer import SLOT_KEY
+    from drpo_openrlhf.update.keys import SLOT_KEY
     from drpo_openrlhf.update.layout import UNTRAINED, Layout
 
     layout = Layout(4, 2, 8, 8, 1)  # groups of 2: one step of 4 groups, then 1 group left
@@ -161,7 +160,7 @@ FLAGS = [
 def test_the_experience_maker_splits_the_rollout_into_the_updates_micro_batches():
     """Not ``--rollout.micro_batch_size`` (8) consecutive responses but the deal's micro-batches
     of 2; the group tags and OpenRLHF's per-group statistics survive the reordering."""
-    from drpo_openrlhf.update.actor_trainer import GROUP_KEY
+    from drpo_openrlhf.update.keys import GROUP_KEY
 
     made = maker(FLAGS)
     data = rollout()

@@ -11,16 +11,9 @@ from pathlib import Path
 import pytest
 
 from drpo_openrlhf import train
-from drpo_openrlhf.demo.run import (
-    MAIN_COLUMNS,
-    DemoConfig,
-    demo_runs,
-    format_table,
-    misled_share,
-    run_logged,
-    summary_rows,
-    train_command,
-)
+from drpo_openrlhf.demo.config import DemoConfig
+from drpo_openrlhf.demo.results import MAIN_COLUMNS, format_table, misled_share, summary_rows
+from drpo_openrlhf.demo.training import demo_runs, run_logged, train_command
 
 
 def test_each_run_is_a_valid_drpo_openrlhf_train_command(tmp_path: Path) -> None:

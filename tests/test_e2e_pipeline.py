@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from drpo_openrlhf.demo.run import local_ray_cluster
+from drpo_openrlhf.demo.training import local_ray_cluster
 from drpo_openrlhf.eval.tensorboard_logs import read_scalars
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -12,7 +12,7 @@ import math
 import pytest
 from test_e2e_pipeline import assert_drpo_logged, train
 
-from drpo_openrlhf.demo.run import local_ray_cluster
+from drpo_openrlhf.demo.training import local_ray_cluster
 from drpo_openrlhf.rewards.grading import grade_responses
 from drpo_openrlhf.rewards.positive_reward import PROBE_PROMPT
 

@@ -34,7 +34,7 @@ from test_e2e_pipeline import (
     wait_for_no_leftovers,
 )
 
-from drpo_openrlhf.demo.run import local_ray_cluster
+from drpo_openrlhf.demo.training import local_ray_cluster
 from drpo_openrlhf.eval.tensorboard_logs import read_scalars
 
 pytestmark = [pytest.mark.faults, pytest.mark.e2e, pytest.mark.slow]

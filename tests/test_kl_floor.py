@@ -161,8 +161,8 @@ def dealt_after_scoring(made, samples: list, layout) -> list:
     )
     from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 
-    from drpo_openrlhf.update.actor_trainer import GROUP_KEY, SLOT_KEY
     from drpo_openrlhf.update.experience import GroupTaggingExperienceMaker
+    from drpo_openrlhf.update.keys import GROUP_KEY, SLOT_KEY
     from drpo_openrlhf.update.layout import deal_rollout
 
     openrlhf_split = RemoteExperienceMaker.split_rollout_samples

@@ -13,7 +13,7 @@ from drpo_openrlhf import train
 from drpo_openrlhf.algo import DRPOConfig
 from drpo_openrlhf.runtime import ray_actors
 from drpo_openrlhf.runtime.checkpoints import mark_complete, stop_message
-from drpo_openrlhf.update.actor_trainer import GROUP_KEY
+from drpo_openrlhf.update.keys import GROUP_KEY
 from drpo_openrlhf.update.signal_watch import (
     NoLearningSignalError,
     SignalWatch,

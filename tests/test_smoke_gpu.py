@@ -236,7 +236,7 @@ def test_cpu_smoke_trains_and_its_check_catches_a_run_that_did_not(tmp_path, toy
     """The script as a user runs it (the CPU path): env, gradient and one real pipeline run.
     Then the run's own check is pointed at a run that trained nothing (its final model as the
     base) and must fail. Its work folder already holds the toy policy (the shipped base the
-    script's ``toy_policy`` would train: ``demo.run.train_base``, tests/test_toy_base.py)."""
+    script's ``toy_policy`` would train: ``demo.bases.train_base``, tests/test_toy_base.py)."""
     shutil.copytree(toy["base"], tmp_path / "toy" / "base")
     shutil.copy(toy["train"], tmp_path / "toy" / "train.jsonl")
     out = tmp_path / "outcomes.json"

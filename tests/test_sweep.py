@@ -14,7 +14,8 @@ import pytest
 from training_logs import write_run_log
 
 from drpo_openrlhf import train
-from drpo_openrlhf.demo.run import DemoConfig, RLConfig, shared_flags
+from drpo_openrlhf.demo.config import DemoConfig, RLConfig
+from drpo_openrlhf.demo.training import shared_flags
 from drpo_openrlhf.eval.metrics import aes
 from drpo_openrlhf.eval.plot import plot_tradeoff
 from drpo_openrlhf.eval.training_cost import PHASES

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 from test_e2e_pipeline import assert_drpo_logged, changed_tensors
 
-from drpo_openrlhf.demo.run import DemoConfig, shared_flags
+from drpo_openrlhf.demo.config import DemoConfig
+from drpo_openrlhf.demo.training import shared_flags
 from drpo_openrlhf.sweep.toy import eval_flags
 
 # Three trainings and four evaluations (the toy's base is shipped): about 5 minutes on the 2-core

@@ -17,7 +17,8 @@ import toy_base
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from drpo_openrlhf.demo import bases
-from drpo_openrlhf.demo.run import DemoConfig, make_problems, train_base, with_seed
+from drpo_openrlhf.demo.bases import train_base
+from drpo_openrlhf.demo.config import DemoConfig, make_problems, with_seed
 from drpo_openrlhf.demo.sft import _batches, encode_pair, train_sft
 from drpo_openrlhf.demo.toy_model import build_toy_model
 from drpo_openrlhf.demo.toy_task import sample_traces

@@ -21,7 +21,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 from test_e2e_pipeline import train
 
-from drpo_openrlhf.demo.run import local_ray_cluster
+from drpo_openrlhf.demo.training import local_ray_cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -18,16 +18,16 @@ ARCHITECTURES = ("qwen2", "llama")
 
 
 def recipe(architecture: str) -> dict:
-    """What the base is trained from (``demo.run.train_base``): the demo's quick settings."""
+    """What the base is trained from (``demo.bases.train_base``): the demo's quick settings."""
     from drpo_openrlhf.demo.bases import recipe
-    from drpo_openrlhf.demo.run import DemoConfig
+    from drpo_openrlhf.demo.config import DemoConfig
 
     return recipe(DemoConfig.quick(), architecture)
 
 
 if __name__ == "__main__":
     from drpo_openrlhf.demo.bases import build
-    from drpo_openrlhf.demo.run import DemoConfig
+    from drpo_openrlhf.demo.config import DemoConfig
 
     for name in ARCHITECTURES:
         target = FIXTURES / name

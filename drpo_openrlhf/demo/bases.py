@@ -12,13 +12,41 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 import shutil
 from pathlib import Path
 
-from drpo_openrlhf.demo.run import DemoConfig, make_problems, train_base, with_seed
+from drpo_openrlhf.demo.config import DemoConfig, make_problems, with_seed
+from drpo_openrlhf.demo.toy_task import ToyProblem
 
 SHIPPED = Path(__file__).resolve().parent / "bases"
 SHIPPED_SEEDS = (0, 1, 2)
+
+
+def train_base(
+    config: DemoConfig,
+    init_dir: Path,
+    base_dir: Path,
+    train_problems: list[ToyProblem],
+    *,
+    architecture: str = "qwen2",
+    progress: bool = False,
+) -> Path:
+    """The demo's base policy: the toy model at ``config``'s size and seed (``init_dir``),
+    fine-tuned on traces of ``train_problems`` into ``base_dir``."""
+    from drpo_openrlhf.demo.sft import train_sft
+    from drpo_openrlhf.demo.toy_model import build_toy_model
+    from drpo_openrlhf.demo.toy_task import sample_traces
+
+    init = build_toy_model(
+        init_dir,
+        hidden_size=config.hidden_size,
+        num_layers=config.num_layers,
+        seed=config.seed,
+        architecture=architecture,
+    )
+    traces = sample_traces(random.Random(config.seed + 1), config.task, train_problems)
+    return train_sft(init, base_dir, traces, config.sft, progress=progress)
 
 
 def recipe(config: DemoConfig, architecture: str = "qwen2") -> dict:

@@ -36,7 +36,7 @@ def _stop(signum: int, frame: object) -> None:
 def run_all(sweep: Sweep, runs: list[Run]) -> list[str]:
     """Runs each of ``runs``; a failed run is reported and the next one starts. Returns the
     names of the runs that failed."""
-    from drpo_openrlhf.demo.run import local_ray_cluster
+    from drpo_openrlhf.demo.training import local_ray_cluster
 
     failed = []
     previous = signal.signal(signal.SIGTERM, _stop)

@@ -18,7 +18,7 @@ def run_logged(command: list[str], log: Path, label: str) -> None:
     """``command`` with its output appended to ``log``; the training steps are echoed. A
     failure raises with the log's last lines. Our own interruption (SIGTERM turned into
     SystemExit, Ctrl-C) stops the child first."""
-    from drpo_openrlhf.demo.run import STEP_LINE
+    from drpo_openrlhf.demo.training import STEP_LINE
 
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("a") as sink:
@@ -57,7 +57,7 @@ def train(sweep: Sweep, run: Run, python: str = sys.executable) -> None:
 def finish(sweep: Sweep, run: Run, python: str = sys.executable) -> dict:
     """Evaluates the run's final model and writes the done marker; returns the marker.
     Raises when the final model is missing (the training did not end) or drpo-eval fails."""
-    from drpo_openrlhf.demo.run import misled_share
+    from drpo_openrlhf.demo.results import misled_share
 
     out = sweep.run_dir(run)
     model = model_dir(sweep, run)

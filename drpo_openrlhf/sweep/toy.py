@@ -1,7 +1,7 @@
 """``drpo-sweep toy DIR``: the demo's toy task as a sweep, for the ``local`` backend on CPU.
 Per seed it writes what ``make demo`` builds (training and evaluation problems, the SFT base
 policy), then a sweep file whose shared flags and evaluation protocol are the demo's
-(``demo/run.py``), with the toy frontier's grid as its methods."""
+(``demo/training.py``, ``demo/config.py``), with the toy frontier's grid as its methods."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from drpo_openrlhf.demo.bases import provide_base
-from drpo_openrlhf.demo.run import DemoConfig, make_problems, shared_flags, with_seed
+from drpo_openrlhf.demo.config import DemoConfig, make_problems, with_seed
+from drpo_openrlhf.demo.training import shared_flags
 
 # lambda in {0.05, 0.1, 0.2, 0.5, inf}, RLOO-LP alpha in {0.1, 0.2, 0.4}, and ALP with its
 # penalty scaled to the toy's lengths: beta * 40 tokens = 0.2, RLOO-LP alpha 0.2's largest cut

@@ -77,45 +77,20 @@ from drpo_openrlhf.algo import (
 )
 from drpo_openrlhf.algo.learning_signal import signal_diagnostics
 from drpo_openrlhf.rewards.positive_engine import POSITIVE_KEY
+from drpo_openrlhf.update.keys import GROUP_KEY, SLOT_KEY, correctness
 from drpo_openrlhf.update.layout import (
+    ONE_PASS,
+    PENALTY_PASS,
+    SCORES_PASS,
     Layout,
     LayoutError,
     assign_group_steps,
+    fixed_batch_mode,
     pack_group_microsteps,
     plan_from_slots,
 )
 
 logger = logging.getLogger(__name__)
-GROUP_KEY = "drpo_group"  # experience.info key carrying each response's prompt-group id
-SLOT_KEY = "drpo_slot"  # its global micro-step in the rollout (``layout.deal_rollout``)
-ONE_PASS, PENALTY_PASS, SCORES_PASS = "one_pass", "penalty_pass", "scores_pass"
-
-
-def fixed_batch_mode(layout: Layout, kl_estimate: str) -> str:
-    """How a step of fixed micro-batches runs: one pass, one pass plus a penalty pass when
-    needed, or a scores pass first (global micro-steps cannot hold whole groups)."""
-    if not layout.groups_fit_micro_steps:
-        return SCORES_PASS
-    return ONE_PASS if kl_estimate == "microstep" else PENALTY_PASS
-
-
-def cut_longest_first(layout: Layout, kl_estimate: str) -> bool:
-    """Whether the driver cuts each rank's share of a step into micro-batches longest first
-    (``deal_rollout``'s ``lengths``): only where the update does not depend on the cut, the
-    scores pass under the mini-batch KL."""
-    return fixed_batch_mode(layout, kl_estimate) == SCORES_PASS and kl_estimate == "minibatch"
-
-
-def correctness(scores: Tensor) -> Tensor:
-    """The reward function's ``scores`` as booleans; anything but 0/1 is a configuration error."""
-    bad = ~((scores == 0) | (scores == 1))
-    if bad.any():
-        value = scores[bad][0].item()
-        raise ValueError(
-            f"DRPO needs 0/1 correctness in the reward function's 'scores', got {value}; "
-            "use a verifier reward (e.g. drpo_openrlhf/rewards/math_reward.py)"
-        )
-    return scores == 1
 
 
 def data_parallel_group(strategy) -> dist.ProcessGroup | None:

@@ -46,10 +46,11 @@ from openrlhf.trainer.ppo_utils.experience import Experience
 from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 
 from drpo_openrlhf.rewards.reward_guard import check_rollout_rewards
-from drpo_openrlhf.update.actor_trainer import GROUP_KEY, SLOT_KEY, cut_longest_first
+from drpo_openrlhf.update.keys import GROUP_KEY, SLOT_KEY
 from drpo_openrlhf.update.layout import (
     UNTRAINED,
     Layout,
+    cut_longest_first,
     data_parallel_size,
     deal_rollout,
 )

@@ -319,3 +319,23 @@ def plan_from_slots(slots: Sequence[int], layout: Layout) -> list[list[list[int]
             where[s].append(i)
     m = layout.micro_steps
     return [[where[k * m + j] for j in range(m)] for k in range(num_slots // m)]
+
+
+# how the actor runs an optimizer step of fixed micro-batches (``actor_trainer``); the driver
+# reads it too, to cut the micro-batches it deals
+ONE_PASS, PENALTY_PASS, SCORES_PASS = "one_pass", "penalty_pass", "scores_pass"
+
+
+def fixed_batch_mode(layout: Layout, kl_estimate: str) -> str:
+    """How a step of fixed micro-batches runs: one pass, one pass plus a penalty pass when
+    needed, or a scores pass first (global micro-steps cannot hold whole groups)."""
+    if not layout.groups_fit_micro_steps:
+        return SCORES_PASS
+    return ONE_PASS if kl_estimate == "microstep" else PENALTY_PASS
+
+
+def cut_longest_first(layout: Layout, kl_estimate: str) -> bool:
+    """Whether the driver cuts each rank's share of a step into micro-batches longest first
+    (``deal_rollout``'s ``lengths``): only where the update does not depend on the cut, the
+    scores pass under the mini-batch KL."""
+    return fixed_batch_mode(layout, kl_estimate) == SCORES_PASS and kl_estimate == "minibatch"

@@ -22,6 +22,7 @@ from torch import Tensor
 from drpo_openrlhf.algo.advantages import has_relative_signal
 from drpo_openrlhf.algo.config import DRPOConfig
 from drpo_openrlhf.algo.learnable import learnable_groups, unlearnable_counts
+from drpo_openrlhf.update.keys import GROUP_KEY, correctness
 
 FLAG = "--drpo.max_steps_without_signal"
 DEFAULT_LIMIT = 3
@@ -204,9 +205,6 @@ def rollout_signal(
 ) -> RolloutSignal:
     """A rollout's ``RolloutSignal``: DRPO's groups under ``config``, or, with ``config``
     None, a baseline's under OpenRLHF's advantage ``estimator``."""
-    # imported here: the entry point reads this module's flag before anything GPU-side loads
-    from drpo_openrlhf.update.actor_trainer import GROUP_KEY, correctness
-
     sizes = [e.scores.numel() for e in experiences]
     correct = correctness(torch.cat([e.scores.reshape(-1) for e in experiences]))
     group_ids = _group_ids(experiences, n_samples, None if config is None else GROUP_KEY)
