@@ -328,7 +328,7 @@ def drpo_config(args: argparse.Namespace) -> DRPOConfig:
 def refuse_unsafe_dynamic_batching(args: argparse.Namespace) -> None:
     """OpenRLHF 0.11.2's own actor update under dynamic batching runs DeepSpeed with one
     accumulation step and never marks the boundary, so ZeRO-1/2 keep only the last
-    micro-batch's gradient of each optimizer step (docs/status.md). The DRPO actor marks it;
+    micro-batch's gradient of each optimizer step (docs/grouping.md). The DRPO actor marks it;
     the baselines run OpenRLHF's actor, so refuse the combination there."""
     if getattr(args, "train.dynamic_batch_enable") and getattr(args, "ds.zero_stage") < 3:
         raise ValueError(

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # DRPO's GPU checks on a machine that has CUDA torch but none of Ray, vLLM, DeepSpeed and
-# OpenRLHF, and no package index (this workplace's lent GPU machine; docs/status.md):
+# OpenRLHF, and no package index (a bare GPU machine; docs/gpu.md):
 # the actor-update exactness tests on CUDA (one GPU: their one-rank worlds), the device
 # gradient check against fp64 (scripts/smoke_gradient.py) and the actor-update benchmark
 # (scripts/bench_actor_update.py --device cuda). What needs vLLM or Ray stays in

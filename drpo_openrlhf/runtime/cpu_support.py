@@ -35,7 +35,7 @@ def check_layout(
     """Refuse what a CPU run cannot do reliably. ZeRO-3 over several gloo ranks: OpenRLHF
     loads the model under ``zero.Init``, whose gathers wait on the last of their async gloo
     all-gathers only; on CPU the others can still be running and some loaded shards come out
-    as uninitialised memory (docs/status.md). NCCL completes them in order, so GPUs are fine.
+    as uninitialised memory (CHANGELOG.md, flakes). NCCL completes them in order, so GPUs are fine.
     Ring attention: it runs on flash-attn's kernels, which exist only for CUDA. vLLM tensor
     parallelism: OpenRLHF runs such engines on vLLM's Ray executor, which vLLM's CPU platform
     refuses (``ValueError: current platform cpu does not support ray``)."""
