@@ -44,7 +44,7 @@ settings.load_profile("suite")
 # module runs whole (its module fixtures once) on whichever worker is free, at a lower
 # priority. Two pipeline runs side by side gain almost nothing on two cores (each is CPU-bound
 # in its start-up, and two need about 14 of the machine's 24 GB), while unit tests can use
-# what a run's waits leave (docs/status.md, issue 36).
+# what a run's waits leave (docs/cpu.md, "The test environment").
 PIPELINE_MODULES = frozenset(
     {  # every module with a test marked e2e or a local Ray cluster (both checked at
         # collection) but the Slurm ones

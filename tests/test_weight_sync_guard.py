@@ -21,7 +21,7 @@ import pytest
 from test_e2e_pipeline import train
 from test_weight_places_guard import BROKEN, PLACES, another_checkpoint
 
-from drpo_openrlhf.algo.logprob_gap import FALLBACK_LIMIT, derived_limit
+from drpo_openrlhf.algo.logprob_gap import FALLBACK_LIMIT, HONEST_CAP, derived_limit
 from drpo_openrlhf.eval.tensorboard_logs import read_scalars
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -130,6 +130,48 @@ def test_engines_that_compute_otherwise_stop_the_run_at_the_first_probe(toy, tmp
     assert sorted(named) == ["2", "3"], out[-3000:]
     far = re.findall(r"engine (\d+) is [\d.e-]+ nats per token from the actor", out)
     assert far == ["2"], out[-3000:]
+    assert "Global step 1:" not in out
+
+
+# engine 1 samples (and reports its log-probs) at temperature 1.0 where the actor scores at 0.6
+TEMPERATURE_BREAK = {"1": {"temperature": 1.0}}
+# the gap's stop at the first rollout: over the cap of an honest gap, or over 10x engine 0's
+GAP_FAILED = r"rollout step 1(, the run's first \(|: vLLM's rollout log-probs differ).*"
+
+
+def test_an_engine_sampling_at_another_temperature_stops_the_run_at_its_first_rollout(
+    toy, tmp_path, monkeypatch
+):
+    """What neither the digests nor the probe can see: engine 1 of two samples at temperature
+    1.0 while the run (and so the actor's scoring) is at 0.6. Its weights are exact and prompt
+    log-probs skip every sampling setting, so the check and the probe pass and the two engines'
+    probes agree; the rollout log-prob gap, per engine, names engine 1 at the first rollout
+    (measured by hand: 0.113 nats per token, over the 0.1 cap of an honest first rollout and
+    far over 10x engine 0's honest gap), before any update. Engine 0, beside it, is not named;
+    the control, every guarded run that exits 0 (``test_e2e_pipeline.py``), holds each engine
+    under the same limit. Without the guard (``--drpo.max_logprob_gap 100``) this run trains
+    through (run by hand: exit 0)."""
+    done = broken_run(
+        toy,
+        tmp_path,
+        monkeypatch,
+        TEMPERATURE_BREAK,
+        *("--vllm.num_engines", "2", "--rollout.temperature", "0.6"),
+        steps=1,
+    )
+    assert done.returncode != 0
+    out = done.output
+    assert "SYNC BREAK: sampling at temperature 1.0 instead of 0.6" in out, out[-3000:]
+    assert GUARD not in out and "WeightProbeError" not in out  # weights and probe: fine
+    assert "drpo_openrlhf: weight probe before the first rollout:" in out
+    assert "LogprobGapError" in out, out[-3000:]
+    stop = re.search(GAP_FAILED, out)
+    assert stop, out[-3000:]
+    stop = stop[0]
+    print(stop[:1500])
+    named = re.findall(r"engine (\d+) ([\d.e-]+) \(max [\d.e-]+\)", stop)
+    assert [engine for engine, _ in named] == ["1"], stop
+    assert float(named[0][1]) > HONEST_CAP / 2, stop  # far from an honest gap, whichever limit
     assert "Global step 1:" not in out
 
 
