@@ -1,10 +1,13 @@
 """OpenRLHF's real actor stack (``DeepspeedStrategy``, ``Actor``, ``ActorPPOTrainer``) built in
 one process the way its Ray ``PolicyModelActor`` builds it, without Ray and, on CPU, without
-CUDA. Shared by the exactness tests and ``scripts/bench_actor_update.py``.
+CUDA. Shared by the exactness tests and ``scripts/bench_actor_update.py``, hence in the package:
+a script never reaches into ``tests/``.
 
 Substitutions: torch's AdamW instead of DeepSpeed's FusedAdam (whose JIT build takes ~40 s and
 needs a compiler toolchain); on CPU also gloo with a CPU device mesh, and answers to the
-``torch.cuda`` device queries OpenRLHF makes unconditionally.
+``torch.cuda`` device queries OpenRLHF makes unconditionally. OpenRLHF's ``Actor`` imports
+flash-attn: on CPU its stand-in must be on the path already (the CPU venv's ``.pth`` file,
+or the tests' ``stand_ins``, whose ``PYTHONPATH`` the ranks' processes inherit).
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ from contextlib import contextmanager, nullcontext
 from unittest import mock
 
 import torch
-from stand_ins import install_stand_ins
 
 
 def free_port() -> int:
@@ -37,7 +39,6 @@ def set_rank_env(rank: int, world: int, port: int, device: str = "cpu") -> None:
         TORCHDYNAMO_DISABLE="1",
         HF_HUB_OFFLINE="1",
     )
-    install_stand_ins()
 
 
 def openrlhf_args(flags: list[str]):

@@ -49,8 +49,8 @@ from unittest import mock
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import actor_setup  # tests/ holds the set-up shared with the exactness tests
+from drpo_openrlhf import testing
+from drpo_openrlhf.update.keys import GROUP_KEY
 
 METHODS = ("drpo", "ppo")
 # DRPO's functions that exchange scalars between ranks or differentiate the objective with
@@ -364,37 +364,37 @@ def count_forwards(actor: torch.nn.Module) -> Counter:
 def run_worker(args: argparse.Namespace) -> None:
     """Build everything for rank ``args.rank`` of ``args.worker``, then run one timed
     ``ppo_train`` per ``run`` line on stdin until ``done``."""
-    actor_setup.set_rank_env(args.rank, args.ranks, args.port, args.device)
+    testing.set_rank_env(args.rank, args.ranks, args.port, args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     from drpo_openrlhf.algo import DRPOConfig
     from drpo_openrlhf.update import actor_trainer as drpo_module
 
-    strategy = actor_setup.setup_strategy(
-        actor_setup.openrlhf_args(openrlhf_flags(args)), args.dtype, args.device
+    strategy = testing.setup_strategy(
+        testing.openrlhf_args(openrlhf_flags(args)), args.dtype, args.device
     )
     model = build_model(args)
     params = sum(p.numel() for p in model.parameters())
     matmul_params = params - model.get_input_embeddings().weight.numel()
     steps = args.prompts * args.n // args.train_batch
-    actor, optim, scheduler = actor_setup.prepare_actor(strategy, model, steps * (args.repeats + 1))
-    trainer = actor_setup.ppo_trainer(strategy, actor, optim, scheduler, args.device)
+    actor, optim, scheduler = testing.prepare_actor(strategy, model, steps * (args.repeats + 1))
+    trainer = testing.ppo_trainer(strategy, actor, optim, scheduler, args.device)
     data = synthetic_rollout(args, MODELS[args.model]["vocab_size"])
     if args.worker == "drpo":  # dealt as DRPO's experience maker deals it
         trainer.__class__ = drpo_module.DRPOActorTrainer
         trainer.enable_drpo(DRPOConfig(kl_estimate=args.kl_estimate))
-        positions, info = actor_setup.dealt_share(data["group"], trainer.drpo_layout, args.rank)
+        positions, info = testing.dealt_share(data["group"], trainer.drpo_layout, args.rank)
     else:  # OpenRLHF's contiguous chunk
         if args.ppo_drop_logits:
             actor.forward = drop_logits(actor.forward)
         count, batch = len(data["group"]), strategy.args.rollout.micro_batch_size
-        positions = actor_setup.openrlhf_share(count, args.ranks, args.rank, batch)
-        info = {drpo_module.GROUP_KEY: data["group"][positions]}
+        positions = testing.openrlhf_share(count, args.ranks, args.rank, batch)
+        info = {GROUP_KEY: data["group"][positions]}
     data = {k: v[positions] for k, v in data.items()}
 
     buckets: dict[str, list[float]] = {}
     with ExitStack() as stack:
-        stack.enter_context(actor_setup.cuda_queries_answered(args.device, "cpu"))
+        stack.enter_context(testing.cuda_queries_answered(args.device, "cpu"))
         if args.worker == "drpo":
             no_grad = lambda: None if torch.is_grad_enabled() else "scores"  # noqa: E731
             scalars = drpo_module.DRPOActorTrainer._scalars
@@ -430,7 +430,7 @@ def run_worker(args: argparse.Namespace) -> None:
             # a new rollout step: pi_old is the current policy (not timed, not counted)
             old = old_log_probs(actor, data, args.micro_batch, args.device)
             trainer.replay_buffer.clear()
-            trainer.replay_buffer.append(actor_setup.experience(data, old, info))
+            trainer.replay_buffer.append(testing.experience(data, old, info))
             buckets.clear()
             forwards.clear()
             stepped = actor.model.global_steps
@@ -477,7 +477,7 @@ class Ranks:
         self.procs: dict[tuple[str, int], subprocess.Popen] = {}
         self.tails: dict[tuple[str, int], deque[str]] = {}  # last output lines, shown on failure
         for method in methods:
-            port = actor_setup.free_port()
+            port = testing.free_port()
             for rank in range(args.ranks):
                 key = (method, rank)
                 self.tails[key] = deque(maxlen=200)

@@ -15,9 +15,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-import actor_setup
 import pytest
 import torch
+
+from drpo_openrlhf import testing
 
 N, PROMPTS, TRAIN_BATCH = 4, 8, 16  # responses per prompt, prompts per rollout, per step
 MAX_TOKENS = 40  # --train.max_tokens_per_gpu of the dynamic-batching cases
@@ -87,7 +88,7 @@ def rank_share(case: Case, rank: int, world: int) -> tuple[torch.Tensor, dict]:
         lengths = None
         if cut_longest_first(dealt, case.kl_estimate):
             lengths = rollout()["attention_mask"].sum(-1).tolist()
-        local, info = actor_setup.dealt_share(short, dealt, rank, case.short > 0, lengths)
+        local, info = testing.dealt_share(short, dealt, rank, case.short > 0, lengths)
     if case.preference:
         info[POSITIVE_KEY] = rollout()["preference"][local]
     return local, info
@@ -200,7 +201,7 @@ def openrlhf_args(case: Case, world: int):
         flags += ["--ds.tensor_parallel_size", str(case.tp)]
     if case.dynamic:
         flags += ["--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", str(MAX_TOKENS)]
-    return actor_setup.openrlhf_args(flags)
+    return testing.openrlhf_args(flags)
 
 
 def drpo_config(case: Case):
@@ -268,7 +269,7 @@ def run_rank(rank: int, world: int, port: int, cases: list[Case], out_dir: str) 
     """One rank: OpenRLHF strategy + actor + trainer, DRPO's ppo_train. Under ring attention
     the ``case.ring`` consecutive ranks of a ring group receive the same share, as OpenRLHF's
     driver deals it."""
-    actor_setup.set_rank_env(rank, world, port, DEVICE)
+    testing.set_rank_env(rank, world, port, DEVICE)
     if DEVICE == "cpu":
         # up to four ranks share the machine's cores: one intra-op thread each (torch's default
         # of one per core in every rank oversubscribed two cores, and gloo's waits with them:
@@ -296,22 +297,22 @@ def run_rank(rank: int, world: int, port: int, cases: list[Case], out_dir: str) 
         ring_attn_utils.set_ring_attn_group(None)
         shared = case.ring * case.tp  # consecutive ranks holding the same responses
         local, info = rank_share(case, rank // shared, world // shared)
-        strategy = actor_setup.setup_strategy(openrlhf_args(case, world), "fp32", DEVICE)
+        strategy = testing.setup_strategy(openrlhf_args(case, world), "fp32", DEVICE)
         attention = "flash_attention_2" if case.ring > 1 else "sdpa"
-        with actor_setup.fp32_tensor_parallel():
-            actor, optim, scheduler = actor_setup.prepare_actor(strategy, tiny_model(attention))
+        with testing.fp32_tensor_parallel():
+            actor, optim, scheduler = testing.prepare_actor(strategy, tiny_model(attention))
         chunked_actor.install(actor, case.chunk)
-        trainer = actor_setup.ppo_trainer(strategy, actor, optim, scheduler, DEVICE)
+        trainer = testing.ppo_trainer(strategy, actor, optim, scheduler, DEVICE)
         trainer.__class__ = DRPOActorTrainer
         trainer.enable_drpo(drpo_config(case))
         local_data = {k: v[local] for k, v in data.items()}
-        trainer.replay_buffer.append(actor_setup.experience(local_data, old[local], info))
+        trainer.replay_buffer.append(testing.experience(local_data, old[local], info))
         forwards = count_forwards(actor)
         slices = record_slices(actor, actor.model.module)
-        with actor_setup.cuda_queries_answered(DEVICE, "cpu"):
+        with testing.cuda_queries_answered(DEVICE, "cpu"):
             status = trainer.ppo_train(0.0)
         local_numel = sum(p.numel() for p in actor.model.module.parameters())
-        weights = actor_setup.whole_parameters(actor.model.module, case.zero_stage, case.tp)
+        weights = testing.whole_parameters(actor.model.module, case.zero_stage, case.tp)
         weights = [w.cpu() for w in weights]
         if rank == 0:
             result = {
@@ -330,7 +331,8 @@ def run_cases(cases: dict[int, list[Case]], out_dirs, prefix: str) -> dict:
     """Every case on its world of gloo ranks (one spawn per world size); results by
     ``(world, case)``. ``out_dirs`` is pytest's ``tmp_path_factory``."""
     import torch.multiprocessing as mp
-    from actor_setup import free_port
+
+    from drpo_openrlhf.testing import free_port
 
     results = {}
     for world, world_cases in sorted(cases.items()):

@@ -12,7 +12,8 @@ from unittest import mock
 
 import pytest
 import torch
-from actor_setup import openrlhf_share
+
+from drpo_openrlhf.testing import openrlhf_share
 
 BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench_actor_update.py"
 RANKS, N, PROMPTS, TRAIN_BATCH = 2, 4, 4, 8

@@ -6,8 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from actor_setup import openrlhf_args, rollout_samples
 from drpo_actor_harness import PROMPTS, N, rollout
+
+from drpo_openrlhf.testing import openrlhf_args, rollout_samples
 
 PAD = 7  # the tokenizer's pad id: the driver pads with it, the actor's batches with 0
 

@@ -7,8 +7,8 @@ data-parallel rank. Log-probs unchunked
 (``--drpo.logprob_chunk_tokens 0``, which tensor parallelism requires).
 
 Substitution: OpenRLHF hands AutoTP ``dtype=torch.bfloat16`` whatever the run's dtype; the
-model is kept in fp32 here (``actor_setup.fp32_tensor_parallel``) so that the comparison is
-exact."""
+model is kept in fp32 here (``drpo_openrlhf.testing.fp32_tensor_parallel``) so that the
+comparison is exact."""
 
 import pytest
 from drpo_actor_harness import Case, assert_matches_reference, result, shared_results, tiny_model

@@ -24,7 +24,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.multiprocessing as mp
-from actor_setup import free_port
+
+from drpo_openrlhf.testing import free_port
 
 MICRO, STEPS = 4, 8
 PROMPT, RESPONSE, VOCAB = 6, 24, 48
@@ -70,10 +71,11 @@ def accumulated_grad(param: torch.nn.Parameter) -> torch.Tensor:
 def run_engines(_rank: int, port: int, out: str) -> None:
     """One rank: for each of ``RUNS``, OpenRLHF's strategy and DeepSpeed engine in bf16,
     ``STEPS`` micro-steps, and each parameter's accumulated gradient at the boundary."""
-    import actor_setup
     from drpo_actor_harness import tiny_model
 
-    actor_setup.set_rank_env(0, 1, port)
+    from drpo_openrlhf import testing
+
+    testing.set_rank_env(0, 1, port)
     results = {}
     for zero_stage, accum in RUNS:
         flags = [
@@ -82,12 +84,12 @@ def run_engines(_rank: int, port: int, out: str) -> None:
             *("--actor.max_norm", "0", "--rollout.temperature", "1.0"),
             *(("--ds.grad_accum_dtype", accum) if accum else ()),
         ]
-        strategy = actor_setup.setup_strategy(actor_setup.openrlhf_args(flags), "bf16")
-        actor, optim, scheduler = actor_setup.prepare_actor(strategy, tiny_model())
+        strategy = testing.setup_strategy(testing.openrlhf_args(flags), "bf16")
+        actor, optim, scheduler = testing.prepare_actor(strategy, tiny_model())
         assert actor.model.gradient_accumulation_steps() == STEPS
         params = list(actor.model.module.parameters())
         assert all(p.dtype == torch.bfloat16 for p in params)
-        with actor_setup.cuda_queries_answered("cpu", "cpu"):
+        with testing.cuda_queries_answered("cpu", "cpu"):
             for k, batch in enumerate(batches()):
                 strategy.backward(loss_of(actor, batch, torch.float32), actor, optim)
                 if k == STEPS - 1:
@@ -171,10 +173,10 @@ BASELINE = ["--shaping.method", "hapo", "--shaping.params", "w=0.1"]
 def test_default_reaches_deepspeeds_config(mode):
     """``python -m drpo_openrlhf.train``'s OpenRLHF argv carries fp32 accumulation, OpenRLHF's
     ``get_ds_train_config`` puts it in ``data_types``, and a user's value wins."""
-    from actor_setup import openrlhf_args
     from openrlhf.utils import get_strategy
 
     from drpo_openrlhf import train
+    from drpo_openrlhf.testing import openrlhf_args
 
     base = [
         *("--actor.model_name_or_path", "some/model", "--rollout.n_samples_per_prompt", "8"),
@@ -192,15 +194,16 @@ def zero1_optimizers(_rank: int, port: int, out: str) -> None:
     """One rank: the optimizer DeepSpeed builds for ZeRO-1 with bf16 weights and each
     accumulation dtype, and whether it has the ``offload_states`` that OpenRLHF's
     ``--ds.enable_sleep`` calls (``offload_deepspeed_states``)."""
-    import actor_setup
     from drpo_actor_harness import tiny_model
 
-    actor_setup.set_rank_env(0, 1, port)
+    from drpo_openrlhf import testing
+
+    testing.set_rank_env(0, 1, port)
     found = {}
     for accum in ("fp32", "bf16"):
         flags = ["--ds.zero_stage", "1", "--ds.grad_accum_dtype", accum, "--ds.enable_sleep"]
-        strategy = actor_setup.setup_strategy(actor_setup.openrlhf_args(flags), "bf16")
-        optimizer = actor_setup.prepare_actor(strategy, tiny_model())[0].model.optimizer
+        strategy = testing.setup_strategy(testing.openrlhf_args(flags), "bf16")
+        optimizer = testing.prepare_actor(strategy, tiny_model())[0].model.optimizer
         found[accum] = (type(optimizer).__name__, hasattr(optimizer, "offload_states"))
     torch.save(found, out)
 

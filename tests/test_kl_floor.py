@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from unittest import mock
 
-import actor_setup
 import pytest
 import torch
+
+from drpo_openrlhf import testing
 
 N, PROMPTS, VOCAB = 4, 8, 48  # one optimizer step of the whole rollout
 # attention heads of 64 over responses of up to ~120 tokens: CPU sdpa's bf16 rounding then
@@ -99,7 +100,7 @@ def args_of(case: Case):
     if case.dynamic:  # the old log-probs' batches and the update's budgets differ too
         flags += ["--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "600"]
         flags += ["--rollout.max_tokens_per_gpu", "400"]
-    args = actor_setup.openrlhf_args(flags)
+    args = testing.openrlhf_args(flags)
     args.drpo = SimpleNamespace(kl_estimate=case.kl_estimate)
     return args
 
@@ -176,7 +177,7 @@ def dealt_after_scoring(made, samples: list, layout) -> list:
 
 
 def run_rank(rank: int, port: int, out_dir: str) -> None:
-    actor_setup.set_rank_env(rank, 1, port)
+    testing.set_rank_env(rank, 1, port)
     torch.set_num_threads(1)
     from drpo_openrlhf.algo import DRPOConfig
     from drpo_openrlhf.update import chunked_actor
@@ -190,15 +191,15 @@ def run_rank(rank: int, port: int, out_dir: str) -> None:
     results = {}
     for case in CASES:
         args = args_of(case)
-        strategy = actor_setup.setup_strategy(args, "bf16")
-        actor, optim, scheduler = actor_setup.prepare_actor(strategy, model())
+        strategy = testing.setup_strategy(args, "bf16")
+        actor, optim, scheduler = testing.prepare_actor(strategy, model())
         chunked_actor.install(actor, case.chunk)
-        trainer = actor_setup.ppo_trainer(strategy, actor, optim, scheduler)
+        trainer = testing.ppo_trainer(strategy, actor, optim, scheduler)
         trainer.__class__ = WithoutFallback if case.control == "no_fallback" else DRPOActorTrainer
         trainer.enable_drpo(DRPOConfig(kl_estimate=case.kl_estimate, max_len=110))
         made = experience_maker(args, actor, strategy)
-        samples = actor_setup.rollout_samples(long_rollout())
-        with actor_setup.cuda_queries_answered("cpu", "cpu"):
+        samples = testing.rollout_samples(long_rollout())
+        with testing.cuda_queries_answered("cpu", "cpu"):
             if case.control == "deal_after":
                 batches = dealt_after_scoring(made, samples, trainer.drpo_layout)
             else:
@@ -219,7 +220,7 @@ def results(tmp_path_factory) -> dict:
     import torch.multiprocessing as mp
 
     out = tmp_path_factory.mktemp("kl_floor")
-    mp.spawn(run_rank, args=(actor_setup.free_port(), str(out)), nprocs=1, join=True)
+    mp.spawn(run_rank, args=(testing.free_port(), str(out)), nprocs=1, join=True)
     return torch.load(out / "results.pt")
 
 

@@ -8,10 +8,10 @@ from dataclasses import asdict
 import pytest
 import torch
 import torch.multiprocessing as mp
-from actor_setup import free_port
 from drpo_actor_harness import Case, drpo_config, openrlhf_args, rollout, tiny_model
 
 from drpo_openrlhf.algo import DRPOConfig
+from drpo_openrlhf.testing import free_port
 
 # the spawned worker imports this module without conftest: OpenRLHF is imported lazily
 
@@ -19,15 +19,14 @@ CASE = Case(zero_stage=2, micro_batch_size=4)
 
 
 def fresh_trainer(ckpt_dir: str):
-    import actor_setup
-
+    from drpo_openrlhf import testing
     from drpo_openrlhf.update.actor_trainer import DRPOActorTrainer
 
     args = openrlhf_args(CASE, 1)
     args.ckpt.path = ckpt_dir
-    strategy = actor_setup.setup_strategy(args, "fp32")
-    actor, optim, scheduler = actor_setup.prepare_actor(strategy, tiny_model())
-    trainer = actor_setup.ppo_trainer(strategy, actor, optim, scheduler)
+    strategy = testing.setup_strategy(args, "fp32")
+    actor, optim, scheduler = testing.prepare_actor(strategy, tiny_model())
+    trainer = testing.ppo_trainer(strategy, actor, optim, scheduler)
     trainer.__class__ = DRPOActorTrainer
     trainer.enable_drpo(drpo_config(CASE))
     return strategy, actor, trainer
@@ -35,14 +34,14 @@ def fresh_trainer(ckpt_dir: str):
 
 def train_rollout(actor, trainer, seed: int) -> None:
     """One rollout whose old log-probs come from the current policy, as in OpenRLHF."""
-    import actor_setup
+    from drpo_openrlhf import testing
 
     data = rollout(seed)
     with torch.no_grad():
         old = actor(data["sequences"], data["action_mask"], attention_mask=data["attention_mask"])
-    _, info = actor_setup.dealt_share(data["group"], trainer.drpo_layout)
-    trainer.replay_buffer.append(actor_setup.experience(data, old, info))
-    with actor_setup.cuda_queries_answered("cpu", "cpu"):
+    _, info = testing.dealt_share(data["group"], trainer.drpo_layout)
+    trainer.replay_buffer.append(testing.experience(data, old, info))
+    with testing.cuda_queries_answered("cpu", "cpu"):
         trainer.ppo_train(0.0)
     trainer.replay_buffer.clear()
 
@@ -52,9 +51,9 @@ def weights(actor) -> list[torch.Tensor]:
 
 
 def resume_worker(rank: int, port: int, ckpt_dir: str, out: str) -> None:
-    import actor_setup
+    from drpo_openrlhf import testing
 
-    actor_setup.set_rank_env(rank, 1, port)
+    testing.set_rank_env(rank, 1, port)
     from drpo_openrlhf.runtime import ray_actors
 
     # uninterrupted: two rollouts (with an EMA model, whose update is recorded, not run)
@@ -71,7 +70,7 @@ def resume_worker(rank: int, port: int, ckpt_dir: str, out: str) -> None:
     policy = ray_actors._DRPOPolicyModelActor.__new__(ray_actors._DRPOPolicyModelActor)
     policy.strategy, policy.actor, policy.trainer = strategy, actor, trainer
     policy.disable_ds_ckpt, policy.save_hf_ckpt = False, False
-    with actor_setup.cuda_queries_answered("cpu", 0):
+    with testing.cuda_queries_answered("cpu", 0):
         policy.save_checkpoint("global_step1", {"global_step": 1})
     del actor, trainer, policy
     strategy, actor, trainer = fresh_trainer(ckpt_dir)

@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 import pytest
-from actor_setup import free_port
 from launch_checks import (
     FAKE_BIN,
     REPO,
@@ -38,6 +37,7 @@ from slurm_cluster import NODES, SlurmCluster, module_cluster
 
 from drpo_openrlhf.eval.tensorboard_logs import read_scalars
 from drpo_openrlhf.runtime.checkpoints import is_complete
+from drpo_openrlhf.testing import free_port
 
 pytestmark = pytest.mark.slow
 

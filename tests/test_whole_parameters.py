@@ -1,23 +1,25 @@
-"""The exactness tests read ZeRO-3 weights back with ``actor_setup.whole_parameters``; on gloo
+"""The exactness tests read ZeRO-3 weights back with ``testing.whole_parameters``; on gloo
 DeepSpeed's own ``GatheredParameters`` returned uninitialised memory in about 2% of gathers
 (it waits on the last of its async all-gathers only), which made those tests flaky."""
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from actor_setup import free_port
+
+from drpo_openrlhf.testing import free_port
 
 GATHERS = 300  # at a 2% failure rate per gather, a racy gather passes this 0.2% of the time
 
 
 def gather_repeatedly(rank: int, world: int, port: int, out: str) -> None:
-    import actor_setup
     from drpo_actor_harness import Case, openrlhf_args, tiny_model
 
-    actor_setup.set_rank_env(rank, world, port)
-    strategy = actor_setup.setup_strategy(openrlhf_args(Case(3, 2), world), "fp32")
-    actor, _, _ = actor_setup.prepare_actor(strategy, tiny_model())
-    gathers = [actor_setup.whole_parameters(actor.model.module, 3) for _ in range(GATHERS)]
+    from drpo_openrlhf import testing
+
+    testing.set_rank_env(rank, world, port)
+    strategy = testing.setup_strategy(openrlhf_args(Case(3, 2), world), "fp32")
+    actor, _, _ = testing.prepare_actor(strategy, tiny_model())
+    gathers = [testing.whole_parameters(actor.model.module, 3) for _ in range(GATHERS)]
     if rank == 0:
         torch.save(gathers, out)
 
