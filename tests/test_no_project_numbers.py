@@ -1,7 +1,8 @@
 """No number of this project's own development sessions or issues in the package, scripts/,
-slurm/, the Makefile or the README: they mean nothing to a user and the history lives in git
-and CHANGELOG.md. References to upstream projects ("OpenRLHF #922", "vLLM issue 1234",
-"pytorch/pytorch#123") name their project and stay."""
+slurm/, the Makefile, the README or the user guides (docs/*.md): they mean nothing to a user
+and the history lives in git and CHANGELOG.md (not scanned: it is that history). References
+to upstream projects ("OpenRLHF #922", "vLLM issue 1234", "pytorch/pytorch#123") name their
+project and stay."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SCANNED = ("drpo_openrlhf", "scripts", "slurm", "Makefile", "README.md")
+SCANNED_GLOBS = ("docs/*.md",)
 BINARY_SUFFIXES = {".pyc", ".safetensors", ".bin", ".pt", ".gguf", ".png", ".parquet"}
 
 SESSION = re.compile(r"\bsessions?[\s-]+\d+", re.IGNORECASE)
@@ -23,6 +25,8 @@ UPSTREAM = re.compile(
     r"\s*(?:issues?|PRs?|pull requests?)?[\s-]*$",
     re.IGNORECASE,
 )
+# "[[methods]] #2": a program's message naming an entry of a TOML array of tables
+TABLE_ENTRY = re.compile(r"\]\]\s*$")
 
 
 def project_numbers(text: str) -> list[str]:
@@ -37,7 +41,10 @@ def project_numbers(text: str) -> list[str]:
                 if any(match.start() in span for span in covered):
                     continue
                 covered.append(range(match.start(), match.end()))
-                if not UPSTREAM.search(line[: match.start()]):
+                before = line[: match.start()]
+                if pattern is HASH and TABLE_ENTRY.search(before):
+                    continue
+                if not UPSTREAM.search(before):
                     found.append(f"line {number}: {match.group()!r}")
     return found
 
@@ -55,6 +62,8 @@ def scanned_files(root: Path) -> list[Path]:
             and p.suffix not in BINARY_SUFFIXES
             and b"\0" not in p.read_bytes()[:4096]
         ]
+    for pattern in SCANNED_GLOBS:
+        files += sorted(p for p in root.glob(pattern) if p.is_file())
     return files
 
 
@@ -66,7 +75,7 @@ def problems_under(root: Path) -> list[str]:
     return problems
 
 
-def test_no_session_or_issue_numbers_in_the_package_scripts_slurm_makefile_readme():
+def test_no_session_or_issue_numbers_in_the_package_scripts_slurm_makefile_readme_docs():
     problems = problems_under(ROOT)
     assert not problems, "project session/issue numbers (say what, not when):\n" + "\n".join(
         problems
@@ -89,6 +98,14 @@ def test_the_scan_flags_project_numbers_and_keeps_upstream_references(tmp_path):
         "total = len(xs)  # step 3 of 4\n"
     )
     (tmp_path / "README.md").write_text("Fixed in issue #5.\n")
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "guide.md").write_text(
+        "Measured in session 12 (see CHANGELOG.md).\n"
+        "  - [[methods]] #1: unknown method 'grpo'\n"
+        "OpenRLHF #922 and vLLM PR 77 stay.\n"
+    )
+    (tmp_path / "CHANGELOG.md").write_text("## Session 12, issue 36\n")
     problems = problems_under(tmp_path)
     assert problems == [
         "drpo_openrlhf/bad.py line 1: 'session 12'",
@@ -97,4 +114,5 @@ def test_the_scan_flags_project_numbers_and_keeps_upstream_references(tmp_path):
         "drpo_openrlhf/bad.py line 3: 'issue 47'",
         "drpo_openrlhf/bad.py line 4: '#46'",
         "README.md line 1: 'issue #5'",
+        "docs/guide.md line 1: 'session 12'",
     ]
