@@ -1,8 +1,9 @@
 """Running OpenRLHF 0.11.2 on a machine without a GPU: vLLM's CPU build, DeepSpeed on gloo.
 
 OpenRLHF assumes CUDA in a handful of places; each patch below names the upstream line it
-works around. ``enable()`` installs them in the calling process and does nothing where CUDA is
-available, so a GPU run is never touched. ``launch.run_openrlhf`` makes Ray call it at the
+works around and is a row of ``drpo_openrlhf.upstream`` (installed by its ``apply``).
+``enable()`` installs them in the calling process and does nothing where CUDA is available,
+so a GPU run is never touched. ``launch.run_openrlhf`` makes Ray call it at the
 start of every worker process of a CPU run (``worker_process_setup_hook``), and the vLLM
 engines get ``vllm_cpu_worker.CPUWorkerWrap`` as their worker extension, which receives
 weights over gloo.
@@ -17,12 +18,14 @@ import logging
 
 import torch
 
+from drpo_openrlhf import upstream
 from drpo_openrlhf.runtime.process_exit import end_workers_without_teardown
 from drpo_openrlhf.sync.gloo_group import GlooBroadcastGroup
 
 logger = logging.getLogger(__name__)
 
 CPU_WORKER_EXTENSION = "drpo_openrlhf.sync.vllm_cpu_worker.CPUWorkerWrap"
+_enabled = False  # in this process
 
 
 def has_gpu() -> bool:
@@ -69,65 +72,74 @@ class _CPUDevice(str):
     ``deepspeed.py: all_reduce/all_gather``, ``launcher.py: forward``)."""
 
 
+def _torch_adam(train_config):
+    """``utils/deepspeed/deepspeed.py: get_ds_train_config`` asks for DeepSpeed's FusedAdam, a
+    C++ op JIT-compiled on first use (a minute on 2 cores); torch's AdamW is the same update."""
+
+    def torch_adam_config(self, *args, **kwargs):
+        config = train_config(self, *args, **kwargs)
+        if "optimizer" in config:
+            config["optimizer"].setdefault("params", {})["torch_adam"] = True
+            config["zero_allow_untested_optimizer"] = True
+        return config
+
+    return torch_adam_config
+
+
+def _cpu_target(buffer_init):
+    """``trainer/ppo_utils/replay_buffer.py``: target_device = torch.device(f"cuda:{...}")."""
+
+    def cpu_buffer_init(self, *args, **kwargs):
+        current = torch.cuda.current_device
+        torch.cuda.current_device = lambda: 0  # for this call only
+        try:
+            buffer_init(self, *args, **kwargs)
+        finally:
+            torch.cuda.current_device = current
+        self.target_device = torch.device("cpu")
+
+    return cpu_buffer_init
+
+
 def _patch_openrlhf() -> None:
-    from openrlhf.trainer.ppo_utils import replay_buffer
-    from openrlhf.trainer.ray import ppo_actor
-    from openrlhf.utils import distributed_util
-    from openrlhf.utils.deepspeed import deepspeed as openrlhf_deepspeed
     from torch.distributed.device_mesh import init_device_mesh
 
-    # utils/deepspeed/deepspeed.py: init_device_mesh("cuda", ...) in setup_distributed
-    openrlhf_deepspeed.init_device_mesh = lambda _device, *a, **k: init_device_mesh("cpu", *a, **k)
-    # utils/distributed_util.py and ppo_actor.py: the weight-sync group is PyNcclCommunicator
-    distributed_util.stateless_init_process_group = _stateless_gloo_group
-    ppo_actor.stateless_init_process_group = _stateless_gloo_group
-    # utils/deepspeed/deepspeed.py: get_ds_train_config asks for DeepSpeed's FusedAdam, a C++
-    # op JIT-compiled on first use (a minute on 2 cores); torch's AdamW is the same update
-    train_config = openrlhf_deepspeed.DeepspeedStrategy.get_ds_train_config
-    if not getattr(train_config, "_drpo_cpu", False):
-
-        def torch_adam_config(self, *args, **kwargs):
-            config = train_config(self, *args, **kwargs)
-            if "optimizer" in config:
-                config["optimizer"].setdefault("params", {})["torch_adam"] = True
-                config["zero_allow_untested_optimizer"] = True
-            return config
-
-        torch_adam_config._drpo_cpu = True
-        openrlhf_deepspeed.DeepspeedStrategy.get_ds_train_config = torch_adam_config
-    # trainer/ppo_utils/replay_buffer.py: target_device = torch.device(f"cuda:{...}")
-    buffer_init = replay_buffer.NaiveReplayBuffer.__init__
-    if not getattr(buffer_init, "_drpo_cpu", False):
-
-        def cpu_buffer_init(self, *args, **kwargs):
-            current = torch.cuda.current_device
-            torch.cuda.current_device = lambda: 0
-            try:
-                buffer_init(self, *args, **kwargs)
-            finally:
-                torch.cuda.current_device = current
-            self.target_device = torch.device("cpu")
-
-        cpu_buffer_init._drpo_cpu = True
-        replay_buffer.NaiveReplayBuffer.__init__ = cpu_buffer_init
+    upstream.apply(
+        "cpu_openrlhf",
+        {
+            # utils/deepspeed/deepspeed.py: init_device_mesh("cuda", ...) in setup_distributed
+            "init_device_mesh": lambda _device, *a, **k: init_device_mesh("cpu", *a, **k),
+            # utils/distributed_util.py and ppo_actor.py: the weight-sync group is
+            # PyNcclCommunicator
+            "stateless_init_process_group": _stateless_gloo_group,
+            "DeepspeedStrategy.get_ds_train_config": _torch_adam,
+            "NaiveReplayBuffer.__init__": _cpu_target,
+        },
+    )
 
 
 def enable() -> None:
     """Install the CPU patches in this process; a no-op where CUDA is available. Idempotent."""
-    if has_gpu() or getattr(torch.cuda, "_drpo_cpu_support", False):
+    global _enabled
+    if has_gpu() or _enabled:
         return
     # torch.cuda queries OpenRLHF makes unconditionally (utils/distributed_util.py:
     # torch_dist_barrier_and_cuda_sync; deepspeed.py: set_device(local_rank); ppo_actor.py:
     # broadcast(..., stream=torch.cuda.current_stream()))
-    torch.cuda.current_device = lambda: _CPUDevice("cpu")
-    torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.set_device = lambda *a, **k: None
-    torch.cuda.current_stream = lambda *a, **k: None
-    torch.cuda._drpo_cpu_support = True
+    upstream.apply(
+        "cpu_torch",
+        {
+            "current_device": lambda: _CPUDevice("cpu"),
+            "synchronize": lambda *a, **k: None,
+            "set_device": lambda *a, **k: None,
+            "current_stream": lambda *a, **k: None,
+        },
+    )
+    _enabled = True
     try:
         _patch_openrlhf()
     except ImportError:  # a Ray worker that never imports OpenRLHF (e.g. the job supervisor)
-        torch.cuda._drpo_cpu_support = False
+        _enabled = False
         raise
     end_workers_without_teardown()
     logger.info("no CUDA device: OpenRLHF runs on CPU (drpo_openrlhf.runtime.cpu_support)")

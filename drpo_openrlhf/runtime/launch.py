@@ -13,6 +13,7 @@ import sys
 from dataclasses import asdict
 from types import SimpleNamespace
 
+from drpo_openrlhf import upstream
 from drpo_openrlhf.algo import DRPOConfig
 from drpo_openrlhf.runtime import cpu_support
 from drpo_openrlhf.runtime.device import resolve_mode
@@ -114,15 +115,11 @@ def run_openrlhf(openrlhf_argv: list[str], config: DRPOConfig, run: SimpleNamesp
     except ValueError as error:  # DeviceError included: a usage error, answered as argparse does
         print(f"python -m drpo_openrlhf.train: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+    upstream.verify()  # before anything starts: every patched symbol is as read
     if cpu:
         logger.warning("CPU run: vLLM CPU engines, gloo weight sync (docs/cpu.md)")
         cpu_support.enable()
         init_cpu_ray(args, cluster.address)
-
-    import openrlhf.trainer.ray as openrlhf_ray
-    import openrlhf.utils.config as openrlhf_config
-    from openrlhf.trainer import ppo_trainer
-    from openrlhf.trainer.ray import ppo_actor, vllm_engine
 
     from drpo_openrlhf.runtime.ray_actors import (
         BaselinePolicyModelActor,
@@ -132,18 +129,24 @@ def run_openrlhf(openrlhf_argv: list[str], config: DRPOConfig, run: SimpleNamesp
         GroupAwarePPOTrainer,
     )
 
-    hierarchize = openrlhf_config.hierarchize
+    def with_drpo(hierarchize):
+        def hierarchize_with_drpo(args):
+            nested = hierarchize(args)
+            nested.drpo = SimpleNamespace(**asdict(config))
+            nested.drpo_run = run
+            return nested
 
-    def hierarchize_with_drpo(args):
-        nested = hierarchize(args)
-        nested.drpo = SimpleNamespace(**asdict(config))
-        nested.drpo_run = run
-        return nested
+        return hierarchize_with_drpo
 
-    openrlhf_config.hierarchize = hierarchize_with_drpo
-    ppo_actor.PolicyModelActor = BaselinePolicyModelActor if run.method else DRPOPolicyModelActor
-    vllm_engine.RolloutRayActor = CPURolloutRayActor if cpu else GPURolloutRayActor
-    ppo_trainer.PPOTrainer = GroupAwarePPOTrainer
-    openrlhf_ray.create_vllm_engines = with_rollout_logprobs(openrlhf_ray.create_vllm_engines)
+    upstream.apply(
+        "driver",
+        {
+            "hierarchize": with_drpo,
+            "PolicyModelActor": BaselinePolicyModelActor if run.method else DRPOPolicyModelActor,
+            "RolloutRayActor": CPURolloutRayActor if cpu else GPURolloutRayActor,
+            "PPOTrainer": GroupAwarePPOTrainer,
+            "create_vllm_engines": with_rollout_logprobs,
+        },
+    )
     sys.argv = [TRAIN_MODULE, *openrlhf_argv]
     runpy.run_module(TRAIN_MODULE, run_name="__main__", alter_sys=True)

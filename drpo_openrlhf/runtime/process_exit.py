@@ -21,6 +21,8 @@ import sys
 import threading
 from typing import NoReturn
 
+from drpo_openrlhf import upstream
+
 
 def exit_now(code: int | str | None) -> NoReturn:
     """End the process as ``sys.exit(code)`` would, in the interpreter's own order (a string
@@ -41,12 +43,10 @@ def end_workers_without_teardown() -> None:
     """Make this process, a Ray worker, end through ``exit_now`` once its task loop ends: Ray's
     ``Worker.main_loop`` (``ray/_private/worker.py``, Ray 2.55) then calls ``sys.exit(0)``, or
     its SIGTERM handler raises ``SystemExit(1)``, and both reach the wrapper. Idempotent."""
-    from ray._private.worker import Worker
+    upstream.apply("ray_worker_exit", {"Worker.main_loop": _then_exit_now})
 
-    main_loop = Worker.main_loop
-    if getattr(main_loop, "_drpo_exit_now", False):
-        return
 
+def _then_exit_now(main_loop):
     @functools.wraps(main_loop)
     def main_loop_then_exit_now(self) -> None:
         try:
@@ -54,5 +54,4 @@ def end_workers_without_teardown() -> None:
         except SystemExit as end:
             exit_now(end.code)
 
-    main_loop_then_exit_now._drpo_exit_now = True
-    Worker.main_loop = main_loop_then_exit_now
+    return main_loop_then_exit_now

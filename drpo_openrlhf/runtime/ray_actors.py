@@ -20,6 +20,7 @@ from openrlhf.trainer.ppo_utils import samples_generator
 from openrlhf.trainer.ray import ppo_actor, vllm_engine
 from ray.exceptions import TaskCancelledError
 
+from drpo_openrlhf import upstream
 from drpo_openrlhf.algo import DRPOConfig
 from drpo_openrlhf.algo.logprob_gap import GapLimit, gaps_by_engine, pooled_gap
 from drpo_openrlhf.algo.shaper import GroupRewardShaper
@@ -87,7 +88,7 @@ class _BaselinePolicyModelActor(
         engine_start.install()
         super().init_model_from_pretrained(strategy, *args, **kwargs)
         chunked_actor.install(self.actor, strategy.args.drpo_run.logprob_chunk_tokens)
-        self.trainer.__class__ = FiniteCheckedPPOTrainer
+        upstream.swap_class(self.trainer, FiniteCheckedPPOTrainer)
 
 
 class _DRPOPolicyModelActor(
@@ -100,7 +101,7 @@ class _DRPOPolicyModelActor(
         config = DRPOConfig(**vars(strategy.args.drpo))
         # Swap the class rather than building a second trainer: the constructor opened the
         # vLLM weight-sync group, which must exist exactly once.
-        self.trainer.__class__ = DRPOActorTrainer
+        upstream.swap_class(self.trainer, DRPOActorTrainer)
         self.trainer.enable_drpo(config)
         saved = self.checkpoint_states.get(DRPO_STATE)
         if saved is not None and saved != asdict(config):
@@ -236,11 +237,7 @@ class _GroupAwarePPOTrainer(VerifiedSyncTrainer, ppo_trainer.PPOTrainer.__ray_ac
     last finished step (``graceful_stop``)."""
 
     def __init__(self, *args, **kwargs):
-        if not getattr(samples_generator.SamplingParams, "_drpo_logprobs", False):
-            samples_generator.SamplingParams = _sampling_params_with_logprobs(
-                samples_generator.SamplingParams
-            )
-            samples_generator.SamplingParams._drpo_logprobs = True
+        upstream.apply("ppo_trainer", {"SamplingParams": _sampling_params_with_logprobs})
         super().__init__(*args, **kwargs)
         run = self.args.drpo_run
         self._gap_limit = GapLimit(run.max_logprob_gap, run.verify_weight_sync)
@@ -250,14 +247,14 @@ class _GroupAwarePPOTrainer(VerifiedSyncTrainer, ppo_trainer.PPOTrainer.__ray_ac
         self._signal_watch = SignalWatch(run.max_steps_without_signal)
         bind_answer_format(self.vllm_engines, self.args)  # DRPO and the baselines alike
         if run.method:
-            self.experience_maker.__class__ = ShapingExperienceMaker
+            upstream.swap_class(self.experience_maker, ShapingExperienceMaker)
             self.experience_maker.shaper = GroupRewardShaper(
                 run.method, self.args.rollout.n_samples_per_prompt, **run.params
             )
         else:
-            self.experience_maker.__class__ = GroupTaggingExperienceMaker
+            upstream.swap_class(self.experience_maker, GroupTaggingExperienceMaker)
             configure_positive_reward(self.vllm_engines, self.args)
-        self.samples_generator.__class__ = StoppableSamplesGenerator
+        upstream.swap_class(self.samples_generator, StoppableSamplesGenerator)
         self.samples_generator.canceller = RolloutCanceller(self.args.ckpt.path, ray.cancel)
         self._step_times = StepTimes(self.args.ckpt.path)
         # (step, client states at its end, saved?) of the last finished step of this run

@@ -15,6 +15,8 @@ from __future__ import annotations
 import re
 import time
 
+from drpo_openrlhf import upstream
+
 CREATION_FAILED = "error raised in its creation task"
 # An engine loads its model and, on GPU, captures CUDA graphs: minutes for 8B weights on a slow
 # shared file system. Beyond this it is taken to hang (before, only the sync group's own
@@ -85,16 +87,12 @@ def wait_for_engines(engines: list, timeout_s: float = START_TIMEOUT_S) -> None:
 def install() -> None:
     """Make actor rank 0 wait for the engines before it opens the weight-sync group (in the
     actor's process; idempotent)."""
-    from openrlhf.trainer.ray import ppo_actor
+    upstream.apply("policy_actor", {"ActorPPOTrainer._init_vllm_sync_group": _after_the_engines})
 
-    trainer = ppo_actor.ActorPPOTrainer
-    opening = trainer._init_vllm_sync_group
-    if getattr(opening, "_drpo_waits", False):
-        return
 
+def _after_the_engines(opening):
     def open_after_the_engines_started(self, backend: str) -> None:
         wait_for_engines(self.vllm_engines)
         opening(self, backend)
 
-    open_after_the_engines_started._drpo_waits = True
-    trainer._init_vllm_sync_group = open_after_the_engines_started
+    return open_after_the_engines_started

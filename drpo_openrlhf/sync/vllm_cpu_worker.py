@@ -1,7 +1,7 @@
 """The worker extension of vLLM's CPU engines in a run without a GPU (``cpu_support``).
 
 vLLM imports this module in its worker process (``worker_extension_cls``) before it loads the
-model, which is when the import below takes effect: vLLM's CPU backend otherwise repacks every
+model, which is when the patch below takes effect: vLLM's CPU backend otherwise repacks every
 linear layer's weight into a oneDNN / sgl-kernel handle after loading and deletes the
 parameter (``vllm/model_executor/layers/linear.py: process_weights_after_loading`` with
 ``remove_weight=True``), so a weight sync can neither load into it (``'Parameter' object has
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from vllm.model_executor.layers import utils as vllm_layer_utils
 
+from drpo_openrlhf import upstream
 from drpo_openrlhf.sync.gloo_group import GlooBroadcastGroup
 from drpo_openrlhf.sync.vllm_sync_worker import WeightSyncRecorder
 
@@ -26,7 +26,7 @@ def _live_linear(layer: torch.nn.Module, remove_weight: bool) -> None:
     layer.cpu_linear = lambda x, weight, bias: F.linear(x, weight, bias)
 
 
-vllm_layer_utils.dispatch_cpu_unquantized_gemm = _live_linear
+upstream.apply("vllm_cpu_worker", {"dispatch_cpu_unquantized_gemm": _live_linear})
 
 
 class CPUWorkerWrap(WeightSyncRecorder):

@@ -24,6 +24,7 @@ from openrlhf.models import Actor
 from openrlhf.models.ring_attn_utils import gather_and_pad_tensor, unpad_and_slice_tensor
 from torch import Tensor
 
+from drpo_openrlhf import upstream
 from drpo_openrlhf.update.chunked_logprobs import chunked_token_log_probs
 
 OFF_HINT = "set --drpo.logprob_chunk_tokens 0 for OpenRLHF's unchunked forward"
@@ -141,5 +142,5 @@ def install(actor: Actor, chunk_tokens: int) -> None:
         return
     if type(actor) is not Actor:
         raise TypeError(f"chunked log-probs replace OpenRLHF's Actor, got {type(actor)}")
-    actor.__class__ = ChunkedLogProbActor
+    upstream.swap_class(actor, ChunkedLogProbActor)
     actor.logprob_chunk_tokens = chunk_tokens
