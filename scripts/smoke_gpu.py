@@ -6,6 +6,9 @@ Checks (``--checks`` picks some; docs/gpu.md says what each means and what to do
   gradient   DRPO's gradient on the device (bf16, flash-attention 2, packed samples) equals the
              fp64 reference within its measured tolerance, and a corrupted loss does not: the
              negative control (scripts/smoke_gradient.py)
+  sync       a vLLM engine with the GPU worker extension takes one weight update over CUDA
+             IPC and one over NCCL (with a second GPU), and the weight check finds it holds
+             exactly what was sent (scripts/smoke_weight_sync.py; GPU only)
   eval       drpo-eval's vLLM backend on the toy policy, two models in one process as
              drpo-eval runs them: the second engine starts only if the first one's GPU
              memory came back; both must answer some prompts right
@@ -44,6 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_install
 import smoke_gradient
+import smoke_weight_sync
 
 N = 4  # responses per prompt in the pipeline runs
 RUN_TIMEOUT_S = 1200
@@ -308,10 +312,40 @@ def check_eval(setup: Setup) -> Outcome:
     return logged_run(command, out, lambda: evaluated_outcome(out))
 
 
+def synced_outcome(log: str, returncode: int) -> Outcome:
+    """What ``smoke_weight_sync.py`` found: per check (``start``, ``cuda-ipc``, ``nccl``) its
+    problems, from its ``SYNC_RESULT`` line; a run without that line crashed."""
+    lines = [line for line in log.splitlines() if line.startswith(smoke_weight_sync.RESULT)]
+    if not lines:
+        return Outcome(False, f"exit {returncode}, no result: {log.splitlines()[-5:]}")
+    result = json.loads(lines[-1][len(smoke_weight_sync.RESULT) :])
+    skipped = result.pop("skipped", [])
+    failed = {name: problems for name, problems in result.items() if problems}
+    if failed or returncode != 0:
+        listed = "; ".join(f"{name}: {', '.join(p[:3])}" for name, p in failed.items())
+        return Outcome(False, f"exit {returncode}: {listed or 'no problem listed'}")
+    detail = f"engine held exactly what was sent: {', '.join(result)}"
+    return Outcome(True, detail + "".join(f"; skipped {s}" for s in skipped))
+
+
+def check_sync(setup: Setup) -> Outcome:
+    if not setup.gpus:
+        return Outcome(True, "no CUDA device: the CPU path syncs over gloo (the pipeline checks)")
+    base, _ = toy_policy(setup)
+    log = setup.work / "sync.log"
+    script = Path(__file__).resolve().with_name("smoke_weight_sync.py")
+    command = [sys.executable, str(script), "--model", str(base), "--gpus", str(setup.gpus)]
+    with log.open("w") as sink:
+        done = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S)
+    outcome = synced_outcome(log.read_text(), done.returncode)
+    return Outcome(outcome.passed, f"{outcome.detail} (log {log})")
+
+
 CHECKS: dict[str, Callable[[Setup], Outcome]] = {
     "env": check_env,
     "gradient": check_gradient,
     "eval": check_eval,
+    "sync": check_sync,
     **{mode: pipeline_check(mode) for mode in MODES},
 }
 PIPELINE = set(MODES)
