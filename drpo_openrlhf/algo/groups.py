@@ -19,6 +19,11 @@ def dense_group_index(group_ids: Tensor) -> tuple[Tensor, int]:
     return index, unique.numel()
 
 
+def count_distinct(ids: Tensor) -> int:
+    """How many distinct values ``ids`` holds (prompt groups, micro-steps)."""
+    return int(torch.unique(ids).numel())
+
+
 def segment_sum(values: Tensor, index: Tensor, num_groups: int) -> Tensor:
     """Differentiable per-group sum."""
     return values.new_zeros(num_groups).index_add(0, index, values)

@@ -17,8 +17,9 @@ checkpoint so that a resumed run is held to the level the run started at.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -133,12 +134,12 @@ class GapLimit:
     honest_step: int | None = None  # the rollout step that measured ``honest``
     resumed: bool = False  # ``honest`` came from a checkpoint; no rollout compared with it yet
 
-    def state_dict(self) -> dict | None:
+    def state_dict(self) -> dict[str, float | int | None] | None:
         if self.honest is None:
             return None
         return {"honest": self.honest, "step": self.honest_step}
 
-    def load_state_dict(self, state: dict | None) -> None:
+    def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
         if state is None:
             return
         self.honest, self.honest_step, self.resumed = state["honest"], state["step"], True
@@ -160,7 +161,7 @@ class GapLimit:
         honest = f"honest gap {self.honest:.3g} from rollout step {self.honest_step}"
         if self.resumed:
             self.resumed = False
-            return self._compare_resumed(gaps, step, limit, honest)
+            return self._compare_resumed(gaps, step, self.honest, limit, honest)
         self._raise_over(gaps, step, limit, f"{HONEST_FACTOR:g} x the {honest}")
         return limit, None
 
@@ -189,15 +190,15 @@ class GapLimit:
         )
 
     def _compare_resumed(
-        self, gaps: dict[int, Gap], step: int, limit: float, honest: str
+        self, gaps: dict[int, Gap], step: int, saved: float, limit: float, honest: str
     ) -> tuple[float, str]:
-        resume_limit = max(RESUME_FACTOR * self.honest, MIN_LIMIT)
+        resume_limit = max(RESUME_FACTOR * saved, MIN_LIMIT)
         over = {i: g for i, g in gaps.items() if g[0] > resume_limit}
         if over:
             worst = max(g[0] for g in over.values())
             raise LogprobGapError(
                 f"rollout step {step}, the first after resuming: vLLM's log-probs differ from "
-                f"the actor's by up to {worst:.3g} nats per token, {worst / self.honest:.3g}x "
+                f"the actor's by up to {worst:.3g} nats per token, {worst / saved:.3g}x "
                 f"the {honest} saved with the checkpoint (limit after a resume "
                 f"{resume_limit:.3g}: max({RESUME_FACTOR:g} x saved, {MIN_LIMIT:g})): "
                 f"{_engines(over, 8)}. The resumed run computes differently from the run that "

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from drpo_openrlhf.algo.config import DRPOConfig
-from drpo_openrlhf.algo.groups import dense_group_index, segment_sum
+from drpo_openrlhf.algo.groups import count_distinct, dense_group_index, segment_sum
 from drpo_openrlhf.algo.length_reward import length_reward
 from drpo_openrlhf.algo.objective import drpo_objective
 from drpo_openrlhf.algo.scores import kl_sums, sequence_scores
@@ -60,15 +60,18 @@ class ResponseScalars:
 
     @staticmethod
     def concat(parts: list[ResponseScalars]) -> ResponseScalars:
-        def cat(name: str) -> Tensor | None:
-            values = [getattr(p, name) for p in parts]
-            if all(v is None for v in values):
-                return None
-            if any(v is None for v in values):
-                raise ValueError(f"some parts have no {name}")
-            return torch.cat(values)
-
-        return ResponseScalars(**{f.name: cat(f.name) for f in fields(parts[0])})
+        preferences = [p.preference for p in parts if p.preference is not None]
+        if preferences and len(preferences) != len(parts):
+            raise ValueError("some parts have no preference")
+        return ResponseScalars(
+            score=torch.cat([p.score for p in parts]),
+            kl_sum=torch.cat([p.kl_sum for p in parts]),
+            num_tokens=torch.cat([p.num_tokens for p in parts]),
+            correct=torch.cat([p.correct for p in parts]),
+            group_id=torch.cat([p.group_id for p in parts]),
+            microstep=torch.cat([p.microstep for p in parts]),
+            preference=torch.cat(preferences) if preferences else None,
+        )
 
 
 def response_scalars(
@@ -206,9 +209,9 @@ def microstep_coefficients(
     """
     if config.kl_estimate != "microstep":
         raise ValueError("per-micro-step coefficients need kl_estimate='microstep'")
-    if r.microstep.unique().numel() != 1:
+    if count_distinct(r.microstep) != 1:
         raise ValueError("microstep_coefficients takes the responses of one micro-step")
-    local_groups = r.group_id.unique().numel()
+    local_groups = count_distinct(r.group_id)
     score_coef, kl_coef, _ = loss_coefficients(r, config, max_len)
     return score_coef * (local_groups / num_groups), kl_coef / num_microsteps
 
@@ -225,7 +228,7 @@ def group_score_coefficients(
     """
     objective_only = replace(config, beta0=0.0)
     score_coef, _, _ = loss_coefficients(r, objective_only, max_len)
-    return score_coef * (r.group_id.unique().numel() / num_groups)
+    return score_coef * (count_distinct(r.group_id) / num_groups)
 
 
 def surrogate_loss(score: Tensor, kl_sum: Tensor, score_coef: Tensor, kl_coef: Tensor) -> Tensor:

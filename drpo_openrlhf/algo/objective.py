@@ -12,13 +12,18 @@ authors' released code. The value computed here is the true objective, not a sur
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+from drpo_openrlhf.algo.config import ObjectiveOptions
 from drpo_openrlhf.algo.groups import dense_group_index, segment_logsumexp, segment_sum
 from drpo_openrlhf.algo.learnable import group_has_signal
 from drpo_openrlhf.algo.weights import pass_rate_lambda, positive_log_weights
+
+if TYPE_CHECKING:  # typing.Unpack is Python 3.11's
+    from typing_extensions import Unpack
 
 
 @dataclass(frozen=True)
@@ -67,7 +72,7 @@ def drpo_objective(
     n_neg = segment_sum(incorrect.to(scores.dtype), index, num_groups)
     has_pos, has_neg = n_pos > 0, n_neg > 0
 
-    group_lam = lam
+    group_lam: float | Tensor = lam
     if lambda_by_pass_rate:
         group_lam = pass_rate_lambda(lam, correct, group_ids, pass_rate_prior)
     log_w = positive_log_weights(length_rewards.to(scores.dtype), correct, group_ids, group_lam)
@@ -110,7 +115,7 @@ def drpo_loss(
     length_rewards: Tensor,
     lam: float = 0.1,
     tau: float = 10.0,
-    **options: bool | float,
+    **options: Unpack[ObjectiveOptions],
 ) -> Tensor:
     """Scalar loss ``-(1/Q) sum_q J_q``; ``lam=math.inf`` is DisCO. See ``drpo_objective``."""
     return drpo_objective(scores, correct, group_ids, length_rewards, lam, tau, **options).loss

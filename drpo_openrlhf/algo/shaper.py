@@ -45,7 +45,7 @@ class GroupRewardShaper:
             per_group = ("h",)
         elif method == "laser_d" and "bucket_targets" in hparams:
             hparams = dict(hparams)
-            self.set_bucket_targets(hparams.pop("bucket_targets"))  # type: ignore[arg-type]
+            self.set_bucket_targets(check_bucket_targets(hparams.pop("bucket_targets")))
             per_group = ("target_length",)
         self._hparams = resolve_hparams(method, hparams, per_group)
         self._history: dict[str, float] = {}
@@ -131,11 +131,11 @@ class GroupRewardShaper:
             and isinstance(v, numbers.Real)
             and not isinstance(v, bool)
             and math.isfinite(v)
-            and v > 0
+            and float(v) > 0
             for k, v in history.items()
         ):
             raise ValueError("history must map prompt keys (str) to lengths (finite numbers > 0)")
         bucket_targets = state.get("bucket_targets")
         if bucket_targets is not None:
-            self.set_bucket_targets(bucket_targets)  # type: ignore[arg-type]
+            self.set_bucket_targets(check_bucket_targets(bucket_targets))
         self._history = {k: float(v) for k, v in history.items()}

@@ -12,9 +12,11 @@ import math
 import numbers
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 METHODS = ("rloo_lp", "alp", "hapo", "l1_max", "shorter_better", "laser_d")
 DIFFICULTY_LEVELS = ("low", "medium", "high")
+T = TypeVar("T")
 
 _REQUIRED = object()
 
@@ -90,18 +92,21 @@ def resolve_hparams(
         if value is None and spec.nullable:
             resolved[name] = None
             continue
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, numbers.Real)
-            or not math.isfinite(value)
-            or not spec.valid(value)
-        ):
+        number = _real(value)
+        if number is None or not math.isfinite(number) or not spec.valid(number):
             raise ValueError(f"{method}: {name} must be {spec.doc}, got {value!r}")
-        resolved[name] = float(value)
+        resolved[name] = number
     return resolved
 
 
-def _as_list(values: Iterable[object]) -> list:
+def _real(value: object) -> float | None:
+    """``value`` as a float if it is a real number (numpy's included) but not a bool."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    return float(value)
+
+
+def _as_list(values: Iterable[T]) -> list[T]:
     """A plain list from a list, generator, numpy array or torch tensor."""
     return list(values.tolist() if hasattr(values, "tolist") else values)
 
@@ -237,13 +242,16 @@ def laser_d_difficulty(correct: Iterable[object]) -> str:
     return "medium" if 3 * k >= n else "low"
 
 
-def check_bucket_targets(bucket_targets: Mapping[str, float]) -> None:
-    """Raise ``ValueError`` unless ``bucket_targets`` maps each difficulty level to a length > 0."""
-    if set(bucket_targets) != set(DIFFICULTY_LEVELS):
+def check_bucket_targets(bucket_targets: object) -> Mapping[str, float]:
+    """``bucket_targets`` itself, checked: raises ``ValueError`` unless it maps each difficulty
+    level to a length > 0 (a value read from a checkpoint or a flag may be anything)."""
+    if not isinstance(bucket_targets, Mapping) or set(bucket_targets) != set(DIFFICULTY_LEVELS):
         raise ValueError(f"bucket targets need exactly {DIFFICULTY_LEVELS}, got {bucket_targets}")
     for level, target in bucket_targets.items():
-        if isinstance(target, bool) or not isinstance(target, numbers.Real) or not target > 0:
+        number = _real(target)
+        if number is None or not number > 0:
             raise ValueError(f"bucket target for {level} must be a number > 0, got {target!r}")
+    return bucket_targets
 
 
 def laser_d_target_length(correct: Iterable[object], bucket_targets: Mapping[str, float]) -> float:

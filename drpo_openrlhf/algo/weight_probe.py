@@ -20,6 +20,7 @@ No OpenRLHF, vLLM or Ray import: the driver's trainer and the tests share it.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from drpo_openrlhf.algo.logprob_gap import probe_gap
@@ -49,7 +50,7 @@ def probe_text(sentences: int) -> str:
     return " ".join(parts) + " Therefore, the answer is \\boxed{42}."
 
 
-def probe_token_ids(tokenizer, count: int) -> list[int]:
+def probe_token_ids(tokenizer: Callable[..., Mapping[str, list[int]]], count: int) -> list[int]:
     """The first ``count`` token ids of ``probe_text`` under ``tokenizer`` (no special tokens)."""
     sentences = max(1, count // 8)
     while True:
@@ -59,7 +60,9 @@ def probe_token_ids(tokenizer, count: int) -> list[int]:
         sentences *= 2
 
 
-def engine_disagreements(scores: list[list[float]], tolerance: float = ENGINE_TOLERANCE):
+def engine_disagreements(
+    scores: list[list[float]], tolerance: float = ENGINE_TOLERANCE
+) -> tuple[list[str], float]:
     """Engines that score the probe differently from the others: ``(problems, largest)``, one
     line per named engine and the largest per-token difference between any two engines.
 
@@ -81,7 +84,7 @@ def engine_disagreements(scores: list[list[float]], tolerance: float = ENGINE_TO
         return [], largest
     sizes = sorted((len(g) for g in groups), reverse=True)
     reference = max(groups, key=len) if sizes[0] > sizes[1] else []
-    problems = []
+    problems: list[str] = []
     for group in groups:
         if group is reference:
             continue
@@ -166,7 +169,7 @@ def compare_probe(
     gaps = [probe_gap(actor, scores) for scores in engines]
     between, spread = engine_disagreements(engines)
     against_actor, notes = limits.check([mean for mean, _ in gaps])
-    problems = []
+    problems: list[str] = []
     for kind, found in (("engines", between), ("actor", against_actor)):
         if guard in ("all", kind):
             problems += found
