@@ -9,12 +9,9 @@ flags are answered on any machine.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import traceback
-from dataclasses import fields, replace
 from pathlib import Path
-from types import SimpleNamespace
 
 from drpo_openrlhf.algo import DRPOConfig
 from drpo_openrlhf.algo.config import KL_ESTIMATES, PENALTY_FORMS
@@ -22,17 +19,18 @@ from drpo_openrlhf.algo.length_reward import LENGTH_REWARDS
 from drpo_openrlhf.algo.shaper import GroupRewardShaper
 from drpo_openrlhf.algo.shaping import METHODS
 from drpo_openrlhf.algo.weight_probe import GUARDS as PROBE_GUARDS
-from drpo_openrlhf.rewards import answer_format, positive_reward
-from drpo_openrlhf.rewards._plugin import env_flag
+from drpo_openrlhf.flags import flag
+from drpo_openrlhf.rewards import answer_format
 from drpo_openrlhf.runtime import memory_plan, openrlhf_flags, preflight
 from drpo_openrlhf.runtime.checkpoint_check import check_checkpoint
 from drpo_openrlhf.runtime.checkpoints import innermost, prepare_resume, stop_message
 from drpo_openrlhf.runtime.device import DEVICES
 from drpo_openrlhf.runtime.graceful_stop import StopRequested, clear_stale_request
 from drpo_openrlhf.runtime.openrlhf_cli import check_openrlhf_validation, openrlhf_parser
+from drpo_openrlhf.runtime.options import RunOptions, build_options
 from drpo_openrlhf.runtime.tokenizer_check import check_tokenizer
 from drpo_openrlhf.update import signal_watch
-from drpo_openrlhf.update.layout import Layout, data_parallel_size
+from drpo_openrlhf.update.layout import layout_from_args
 from drpo_openrlhf.update.signal_watch import NoLearningSignalError
 
 
@@ -321,43 +319,16 @@ def with_defaults(argv: list[str], defaults: dict[str, list[str]]) -> list[str]:
     return argv + extra
 
 
-def drpo_config(args: argparse.Namespace) -> DRPOConfig:
-    return DRPOConfig(**{f.name: getattr(args, f"drpo.{f.name}") for f in fields(DRPOConfig)})
-
-
 def refuse_unsafe_dynamic_batching(args: argparse.Namespace) -> None:
     """OpenRLHF 0.11.2's own actor update under dynamic batching runs DeepSpeed with one
     accumulation step and never marks the boundary, so ZeRO-1/2 keep only the last
     micro-batch's gradient of each optimizer step (docs/grouping.md). The DRPO actor marks it;
     the baselines run OpenRLHF's actor, so refuse the combination there."""
-    if getattr(args, "train.dynamic_batch_enable") and getattr(args, "ds.zero_stage") < 3:
+    if flag(args, "train.dynamic_batch_enable") and flag(args, "ds.zero_stage") < 3:
         raise ValueError(
             "--train.dynamic_batch_enable with --ds.zero_stage < 3 drops gradients in "
             "OpenRLHF's PPO update (only the last micro-batch of each step counts): use "
             "--ds.zero_stage 3 or fixed micro-batches for baseline runs"
-        )
-
-
-def refuse_entropy_with_chunks(args: argparse.Namespace) -> None:
-    """An entropy bonus needs every position's full logits, which chunked log-probs never
-    hold (``update/chunked_actor.py``)."""
-    if getattr(args, "actor.entropy_coef") is not None and getattr(
-        args, "drpo.logprob_chunk_tokens"
-    ):
-        raise ValueError(
-            "--actor.entropy_coef needs the full logits: add --drpo.logprob_chunk_tokens 0 "
-            "(OpenRLHF's unchunked forward; check the memory plan, docs/launch.md)"
-        )
-
-
-def refuse_tensor_parallel_with_chunks(args: argparse.Namespace) -> None:
-    """DeepSpeed AutoTP replaces the output layer by a vocabulary-parallel one, which chunked
-    log-probs (``update/chunked_actor.py``) do not compute with."""
-    if getattr(args, "ds.tensor_parallel_size") > 1 and getattr(args, "drpo.logprob_chunk_tokens"):
-        raise ValueError(
-            "--ds.tensor_parallel_size splits the output layer over the vocabulary, which "
-            "chunked log-probs do not handle: add --drpo.logprob_chunk_tokens 0 (OpenRLHF's "
-            "unchunked forward; check the memory plan, docs/launch.md)"
         )
 
 
@@ -367,11 +338,11 @@ def refuse_sleep_with_bf16_optimizer(args: argparse.Namespace) -> None:
     calls it as the actor starts, so the run would die after Ray and vLLM are up. (With
     ``--ds.adam_offload`` DeepSpeed keeps its ZeRO optimizer and OpenRLHF skips the call.)"""
     if (
-        getattr(args, "ds.enable_sleep")
-        and getattr(args, "ds.zero_stage") == 1
-        and getattr(args, "ds.param_dtype") == "bf16"
-        and getattr(args, "ds.grad_accum_dtype") == "fp32"
-        and not getattr(args, "ds.adam_offload")
+        flag(args, "ds.enable_sleep")
+        and flag(args, "ds.zero_stage") == 1
+        and flag(args, "ds.param_dtype") == "bf16"
+        and flag(args, "ds.grad_accum_dtype") == "fp32"
+        and not flag(args, "ds.adam_offload")
     ):
         raise ValueError(
             "--ds.enable_sleep cannot offload ZeRO-1's bf16 optimizer, which DeepSpeed uses "
@@ -380,174 +351,94 @@ def refuse_sleep_with_bf16_optimizer(args: argparse.Namespace) -> None:
         )
 
 
-def check_positive_reward(args: argparse.Namespace, baseline: bool) -> str:
-    """``--drpo.positive_reward`` loaded and probed (``preflight``); returns it with its
-    files' paths as the Ray workers will find them."""
-    spec = getattr(args, "drpo.positive_reward")
-    if positive_reward.is_default(spec):  # nothing to load or probe
-        return spec
-    if baseline:
-        raise ValueError(
-            "--drpo.positive_reward ranks DRPO's correct responses; the baselines "
-            "(--shaping.method) shape rewards by length: drop one of the two"
-        )
-    c = openrlhf_flags.length_reward_c(args)
-    return preflight.check_positive_reward(spec, c, getattr(args, "drpo.length_reward"))
-
-
-def resolve_answer_format(args: argparse.Namespace) -> tuple[answer_format.AnswerFormat, str]:
-    """The run's answer format (``rewards/answer_format.py``) and its line for the log. The
-    trainer binds it to the reward in every vLLM engine (``ray_actors.bind_answer_format``);
-    a flag given explicitly must reach it, and ``DRPO_REWARD_REQUIRE_THINK_END`` (the
-    plugins' fallback for stock OpenRLHF) set otherwise on the driver must agree with it."""
-    flag = getattr(args, "drpo.answer_format")
-    decided = answer_format.answer_format(getattr(args, "actor.model_name_or_path"), flag)
-    fallback = env_flag(answer_format.ENV_FALLBACK, decided.require_think_end)
-    if fallback != decided.require_think_end and not decided.explicit:
-        raise ValueError(
-            f"{answer_format.ENV_FALLBACK}={os.environ[answer_format.ENV_FALLBACK]} is set, but "
-            f"the entry point decided the {decided.line()} and binds it to the reward itself: "
-            "say which with --drpo.answer_format thinking or plain, or unset the variable"
-        )
-    reward = (getattr(args, "reward.remote_url") or "").split(",")[0].strip()
-    if preflight.reward_takes(reward, "require_think_end"):
-        return decided, decided.line()
-    if decided.explicit:
-        raise ValueError(
-            f"--drpo.answer_format {flag}: the reward {reward or '(none)'} takes no "
-            "require_think_end keyword (a reward file's reward_func needs that parameter or "
-            "**kwargs), so the flag cannot reach it: drop the flag or add the parameter"
-        )
-    return decided, (
-        f"{decided.line()}; not passed on: the reward {reward} takes no require_think_end and "
-        "grades by its own rules"
-    )
-
-
 def check_inputs(args: argparse.Namespace) -> None:
     """Model, reward file and local datasets, before anything starts (``preflight``); the
     model's files against the run (``checkpoint_check``), whose warnings go to stderr."""
-    preflight.check_model(getattr(args, "actor.model_name_or_path"))
-    check_tokenizer(getattr(args, "actor.model_name_or_path"))
+    preflight.check_model(flag(args, "actor.model_name_or_path"))
+    check_tokenizer(flag(args, "actor.model_name_or_path"))
     for warning in check_checkpoint(
-        getattr(args, "actor.model_name_or_path"),
-        getattr(args, "data.max_len"),
-        getattr(args, "data.apply_chat_template"),
+        flag(args, "actor.model_name_or_path"),
+        flag(args, "data.max_len"),
+        flag(args, "data.apply_chat_template"),
     ):
         print(f"drpo_openrlhf: warning: {warning}", file=sys.stderr, flush=True)
-    for flag in ("ckpt.path", "ckpt.output_dir"):
-        preflight.check_writable(getattr(args, flag), f"--{flag}")
-    for url in (getattr(args, "reward.remote_url") or "").split(","):
+    for name in ("ckpt.path", "ckpt.output_dir"):
+        preflight.check_writable(flag(args, name), f"--{name}")
+    for url in (flag(args, "reward.remote_url") or "").split(","):
         preflight.check_reward_file(url.strip())
-    input_key, label_key = getattr(args, "data.input_key"), getattr(args, "data.label_key")
-    for flag in ("data.prompt_dataset", "eval.dataset"):
-        if getattr(args, flag):
-            preflight.check_prompt_data(getattr(args, flag), input_key, label_key)
+    input_key, label_key = flag(args, "data.input_key"), flag(args, "data.label_key")
+    for name in ("data.prompt_dataset", "eval.dataset"):
+        if flag(args, name):
+            preflight.check_prompt_data(flag(args, name), input_key, label_key)
 
 
-def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> DRPOConfig:
-    """Reject what DRPO cannot run exactly; returns the DRPO config. Raises ``ValueError``."""
-    for flag, advice in REJECTED_FLAGS.items():
-        dest = flag[2:]
-        if getattr(args, dest) != parser.get_default(dest):
-            raise ValueError(f"{flag} is not used by DRPO: {advice}")
-    if getattr(args, "algo.advantage.estimator") == "gae":
+def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Reject what DRPO cannot run exactly. Raises ``ValueError``."""
+    for option, advice in REJECTED_FLAGS.items():
+        dest = option[2:]
+        if flag(args, dest) != parser.get_default(dest):
+            raise ValueError(f"{option} is not used by DRPO: {advice}")
+    if flag(args, "algo.advantage.estimator") == "gae":
         raise ValueError("--algo.advantage.estimator gae needs a critic; DRPO uses none")
-    ring, tp = getattr(args, "ds.ring_attn_size"), getattr(args, "ds.tensor_parallel_size")
+    ring, tp = flag(args, "ds.ring_attn_size"), flag(args, "ds.tensor_parallel_size")
     if ring > 1 and tp > 1:
         raise ValueError(
             "--ds.ring_attn_size with --ds.tensor_parallel_size: DRPO is proven exact under "
             "each alone, not combined (docs/performance.md); use one of the two"
         )
-    gpus = getattr(args, "actor.num_nodes") * getattr(args, "actor.num_gpus_per_node")
-    Layout(
-        world_size=data_parallel_size(gpus, ring, tp),
-        n_samples_per_prompt=getattr(args, "rollout.n_samples_per_prompt"),
-        rollout_batch_size=getattr(args, "rollout.batch_size"),
-        train_batch_size=getattr(args, "train.batch_size"),
-        micro_batch_size=getattr(args, "train.micro_batch_size"),
-        dynamic_batching=getattr(args, "train.dynamic_batch_enable"),
-    ).check()
-    return drpo_config(args)
+    layout_from_args(args).check()
 
 
-def parse(argv: list[str]) -> tuple[DRPOConfig, SimpleNamespace, list[str]]:
-    """DRPO config, run options (baseline shaping, step limit) and the OpenRLHF argv
-    (defaults applied) of a command line.
+def parse(argv: list[str]) -> tuple[DRPOConfig, RunOptions, list[str]]:
+    """DRPO config, run options (``runtime/options.py``: baseline shaping, step limit, ...)
+    and the OpenRLHF argv (defaults applied) of a command line.
 
     Exits with a usage error for unknown, invalid or DRPO-incompatible flags."""
     parser = build_parser()
     method = parser.parse_known_args(argv)[0].__dict__["shaping.method"]
     defaults = baseline_defaults(method) if method else DRPO_DEFAULTS
     args = parser.parse_args(with_defaults(argv, defaults))
-    max_steps = getattr(args, "drpo.max_steps")
-    if max_steps is not None and max_steps < 1:
-        parser.error(f"--drpo.max_steps must be >= 1, got {max_steps}")
-    without_signal = getattr(args, "drpo.max_steps_without_signal")
-    if without_signal < 0:
-        parser.error(f"--drpo.max_steps_without_signal must be >= 0, got {without_signal}")
-    run = SimpleNamespace(
-        method=method,
-        params=getattr(args, "shaping.params"),
-        max_steps=max_steps,
-        max_steps_without_signal=without_signal,
-        max_logprob_gap=getattr(args, "drpo.max_logprob_gap"),
-        device=getattr(args, "drpo.device"),
-        verify_weight_sync=getattr(args, "drpo.verify_weight_sync"),
-        weight_probe=getattr(args, "drpo.weight_probe"),
-        logprob_chunk_tokens=getattr(args, "drpo.logprob_chunk_tokens"),
-        ckpt_path=getattr(args, "ckpt.path"),
-        resume=getattr(args, "ckpt.load_enable"),
-    )
     try:
         openrlhf_flags.check(args)
         if method:  # PPO on shaped rewards: OpenRLHF validates its own flags
-            GroupRewardShaper(method, getattr(args, "rollout.n_samples_per_prompt"), **run.params)
+            n = flag(args, "rollout.n_samples_per_prompt")
+            GroupRewardShaper(method, n, **flag(args, "shaping.params"))
             refuse_unsafe_dynamic_batching(args)
-            refuse_entropy_with_chunks(args)
-            config = drpo_config(args)
         else:
-            config = validate(args, parser)
-        refuse_tensor_parallel_with_chunks(args)
+            validate(args, parser)
         refuse_sleep_with_bf16_optimizer(args)
         check_inputs(args)
-        run.answer_format, run.answer_format_line = resolve_answer_format(args)
-        positive_reward = check_positive_reward(args, baseline=bool(method))
-        config = replace(config, positive_reward=positive_reward)
-        if getattr(args, "rollout.max_new_tokens") is None:  # no budget: C from --data.max_len
-            config = replace(config, max_len=openrlhf_flags.length_reward_c(args))
-        memory = memory_plan.check(args)
+        options = build_options(args)
         openrlhf_argv = with_defaults(openrlhf_args_of(argv), defaults)
         check_openrlhf_validation(openrlhf_argv)
     except ValueError as error:  # LayoutError included
         parser.error(str(error))
-    run.memory_plan = memory.table() if memory else None
-    return config, run, openrlhf_argv
+    return options.drpo, options, openrlhf_argv
 
 
 def main(argv: list[str] | None = None) -> None:
-    config, run, openrlhf_argv = parse(list(sys.argv[1:] if argv is None else argv))
-    print(f"drpo_openrlhf: {run.answer_format_line}", flush=True)
-    if run.memory_plan:
-        print(f"Estimated peak GPU memory (docs/launch.md, Memory plan):\n{run.memory_plan}")
+    _, options, openrlhf_argv = parse(list(sys.argv[1:] if argv is None else argv))
+    print(f"drpo_openrlhf: {options.answer_format_line}", flush=True)
+    if options.memory_plan:
+        print(f"Estimated peak GPU memory (docs/launch.md, Memory plan):\n{options.memory_plan}")
     else:
         print("No GPU memory estimate: --drpo.gpu_memory_gib 0, or no config.json for the model")
     from drpo_openrlhf.runtime.launch import run_openrlhf
 
-    cleared = clear_stale_request(run.ckpt_path)
+    cleared = clear_stale_request(options.ckpt_path)
     if cleared:
         print(f"drpo_openrlhf: {cleared}", flush=True)
-    if run.resume:
-        print(f"drpo_openrlhf: {prepare_resume(run.ckpt_path)}", flush=True)
+    if options.resume:
+        print(f"drpo_openrlhf: {prepare_resume(options.ckpt_path)}", flush=True)
     try:
-        run_openrlhf(openrlhf_argv, config, run)
+        run_openrlhf(openrlhf_argv, options)
     except Exception as error:
         if isinstance(innermost(error), StopRequested):  # the step is saved: a clean end
             print(f"drpo_openrlhf: {innermost(error)}", flush=True)
             return
         if not isinstance(innermost(error), NoLearningSignalError):  # a diagnosis, not a crash
             traceback.print_exc()
-        message = stop_message(error, run.ckpt_path)
+        message = stop_message(error, options.ckpt_path)
         print(f"drpo_openrlhf: {message}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
 

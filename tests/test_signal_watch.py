@@ -1,7 +1,6 @@
 """The driver's step line and the stop of a run that cannot learn (``update/signal_watch``,
 ``ray_actors._GroupAwarePPOTrainer._watch_signal``), on hand-built rollouts."""
 
-from dataclasses import asdict
 from types import SimpleNamespace
 
 import pytest
@@ -222,7 +221,7 @@ def trainer(limit: int, method: str | None = None):
     reads."""
     t = ray_actors._GroupAwarePPOTrainer.__new__(ray_actors._GroupAwarePPOTrainer)
     t.args = SimpleNamespace(
-        drpo=SimpleNamespace(**asdict(DRPOConfig())),  # as launch.py sends it
+        drpo=DRPOConfig(),  # as launch.py sends it
         rollout=SimpleNamespace(n_samples_per_prompt=N),
         algo=SimpleNamespace(advantage=SimpleNamespace(estimator="group_norm")),
     )

@@ -10,14 +10,12 @@ import logging
 import os
 import runpy
 import sys
-from dataclasses import asdict
-from types import SimpleNamespace
 
 from drpo_openrlhf import upstream
-from drpo_openrlhf.algo import DRPOConfig
 from drpo_openrlhf.runtime import cpu_support
 from drpo_openrlhf.runtime.device import resolve_mode
 from drpo_openrlhf.runtime.openrlhf_cli import TRAIN_MODULE, openrlhf_parser
+from drpo_openrlhf.runtime.options import RunOptions
 
 logger = logging.getLogger(__name__)
 
@@ -87,15 +85,16 @@ def allow_job_env_overlap() -> None:
     os.environ.setdefault("RAY_OVERRIDE_JOB_RUNTIME_ENV", "1")
 
 
-def run_openrlhf(openrlhf_argv: list[str], config: DRPOConfig, run: SimpleNamespace) -> None:
+def run_openrlhf(openrlhf_argv: list[str], run: RunOptions) -> None:
     """``python -m openrlhf.cli.train_ppo_ray <openrlhf_argv>`` with DRPO's update, or, when
     ``run.method`` names a baseline, with PPO on shaped rewards; ``run.max_steps`` ends it.
 
     OpenRLHF's ``__main__`` looks up ``PolicyModelActor``, ``PPOTrainer``,
     ``create_vllm_engines`` and ``hierarchize`` at run time, so replacing the module
     attributes before ``runpy`` runs it is enough: its own parsing, validation, placement
-    groups, vLLM engines, checkpoints and logging stay untouched. ``args.drpo`` and
-    ``args.drpo_run`` travel to every Ray actor inside ``strategy.args``. GPU or CPU is decided
+    groups, vLLM engines, checkpoints and logging stay untouched. ``run`` (the entry point's
+    ``runtime/options.RunOptions``) travels to every Ray actor inside ``strategy.args`` as
+    ``args.drpo_run``, its ``DRPOConfig`` also as ``args.drpo``. GPU or CPU is decided
     from the Ray cluster (``device.resolve_mode``, ``--drpo.device``), not from this process;
     on CPU, ``cpu_support`` is enabled here and in every Ray worker.
     """
@@ -132,7 +131,7 @@ def run_openrlhf(openrlhf_argv: list[str], config: DRPOConfig, run: SimpleNamesp
     def with_drpo(hierarchize):
         def hierarchize_with_drpo(args):
             nested = hierarchize(args)
-            nested.drpo = SimpleNamespace(**asdict(config))
+            nested.drpo = run.drpo
             nested.drpo_run = run
             return nested
 

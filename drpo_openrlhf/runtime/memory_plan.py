@@ -16,6 +16,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from drpo_openrlhf.flags import flag
+
 GIB = 2**30
 # An 80 GB H100/A100 as nvidia-smi reports it: 81,559 MiB.
 DEFAULT_CAPACITY_GIB = 81559 / 1024
@@ -162,14 +164,10 @@ class MemoryPlan:
         return iter(self.phases)
 
 
-def _arg(args: argparse.Namespace, name: str):
-    return getattr(args, name)
-
-
 def _vllm_beside_actor(args: argparse.Namespace, vllm_gib: float) -> Term:
     """What a colocated vLLM engine holds while the actor scores and trains: its context and
     graph pool when it sleeps, else its whole share (KV cache and weights stay allocated)."""
-    if _arg(args, "vllm.enable_sleep"):
+    if flag(args, "vllm.enable_sleep"):
         return Term("vLLM asleep", VLLM_ASLEEP_GIB, "")
     return Term("vLLM", vllm_gib, "--vllm.enable_sleep (frees it while the actor runs)")
 
@@ -186,12 +184,12 @@ def _weights_asleep(zero: int, weight_bytes: float, world: int) -> Term:
 def plan(args: argparse.Namespace, shape: ModelShape, capacity_gib: float) -> MemoryPlan:
     """The three phases of a run per actor GPU: generation (vLLM awake), scoring the rollout
     (old log-probs, the reference's), and the training micro-step."""
-    world = _arg(args, "actor.num_nodes") * _arg(args, "actor.num_gpus_per_node")
-    zero = _arg(args, "ds.zero_stage")
-    width = 2 if _arg(args, "ds.param_dtype") in ("bf16", "fp16") else 4
-    fp32_accum = _arg(args, "ds.grad_accum_dtype") == "fp32" and zero != 2  # ZeRO-2 ignores it
-    chunk = _arg(args, "drpo.logprob_chunk_tokens")
-    colocated = _arg(args, "train.colocate_all")
+    world = flag(args, "actor.num_nodes") * flag(args, "actor.num_gpus_per_node")
+    zero = flag(args, "ds.zero_stage")
+    width = 2 if flag(args, "ds.param_dtype") in ("bf16", "fp16") else 4
+    fp32_accum = flag(args, "ds.grad_accum_dtype") == "fp32" and zero != 2  # ZeRO-2 ignores it
+    chunk = flag(args, "drpo.logprob_chunk_tokens")
+    colocated = flag(args, "train.colocate_all")
     p, h, v = shape.params, shape.hidden, shape.vocab
     gib = lambda n: n / GIB  # noqa: E731
 
@@ -206,30 +204,30 @@ def plan(args: argparse.Namespace, shape: ModelShape, capacity_gib: float) -> Me
     grads = Term("gradients", gib(grad_width * grad_elems), zero3_flag)
     optimizer = Term(
         "optimizer (Adam fp32)",
-        0.0 if _arg(args, "ds.adam_offload") else gib(ADAM_BYTES * p / (world if zero else 1)),
+        0.0 if flag(args, "ds.adam_offload") else gib(ADAM_BYTES * p / (world if zero else 1)),
         "--ds.adam_offload" + (", or more actor GPUs" if zero else ", or --ds.zero_stage >= 1"),
     )
     resident = [Term("CUDA context", CUDA_CONTEXT_GIB, "")]
-    vllm = _arg(args, "vllm.gpu_memory_utilization") * capacity_gib
+    vllm = flag(args, "vllm.gpu_memory_utilization") * capacity_gib
     if colocated:
         resident.append(_vllm_beside_actor(args, vllm))
-    has_ref = _arg(args, "algo.kl.init_coef") > 0 and not _arg(args, "ref.offload")
+    has_ref = flag(args, "algo.kl.init_coef") > 0 and not flag(args, "ref.offload")
     if has_ref and colocated:
         ref_elems = p / world if zero == 3 else p
         resident.append(Term("reference weights", gib(width * ref_elems), "--ref.offload"))
 
-    max_len = _arg(args, "data.max_len")
-    tp = _arg(args, "ds.tensor_parallel_size")
-    if _arg(args, "train.dynamic_batch_enable"):
+    max_len = flag(args, "data.max_len")
+    tp = flag(args, "ds.tensor_parallel_size")
+    if flag(args, "train.dynamic_batch_enable"):
         # per GPU already: OpenRLHF gives a ring group ring_attn_size times the budget
-        train_tokens = _arg(args, "train.max_tokens_per_gpu")
-        score_tokens = _arg(args, "rollout.max_tokens_per_gpu") or train_tokens
+        train_tokens = flag(args, "train.max_tokens_per_gpu")
+        score_tokens = flag(args, "rollout.max_tokens_per_gpu") or train_tokens
         train_flag, score_flag = "--train.max_tokens_per_gpu", "--rollout.max_tokens_per_gpu"
     else:
         # ring attention: each GPU of a ring group forwards its slice of the packed tokens
-        ring = _arg(args, "ds.ring_attn_size")
-        train_tokens = -(-_arg(args, "train.micro_batch_size") * max_len // ring)
-        score_tokens = -(-_arg(args, "rollout.micro_batch_size") * max_len // ring)
+        ring = flag(args, "ds.ring_attn_size")
+        train_tokens = -(-flag(args, "train.micro_batch_size") * max_len // ring)
+        score_tokens = -(-flag(args, "rollout.micro_batch_size") * max_len // ring)
         train_flag, score_flag = "--train.micro_batch_size", "--rollout.micro_batch_size"
         if tp == 1:  # ring attention and AutoTP together are refused (train.py)
             train_flag += " (or --ds.ring_attn_size)"
@@ -255,7 +253,7 @@ def plan(args: argparse.Namespace, shape: ModelShape, capacity_gib: float) -> Me
                 "logits", ref_logits, f"{score_flag} (the reference model's are not chunked)"
             )
     layer = shape.token_layer_elements * width
-    if _arg(args, "actor.gradient_checkpointing_enable"):
+    if flag(args, "actor.gradient_checkpointing_enable"):
         kept = shape.layers * h * width + 2 * layer  # layer inputs + one recomputed layer
         act_flag = train_flag
     else:
@@ -287,7 +285,7 @@ def plan(args: argparse.Namespace, shape: ModelShape, capacity_gib: float) -> Me
             Term("CUDA context", CUDA_CONTEXT_GIB, ""),
             Term("vLLM", vllm, "--vllm.gpu_memory_utilization"),
         ]
-        if _arg(args, "ds.enable_sleep"):
+        if flag(args, "ds.enable_sleep"):
             actor.append(_weights_asleep(zero, width * p, world))
         else:
             actor += [t for t in model_state if t.gib]
@@ -298,10 +296,10 @@ def plan(args: argparse.Namespace, shape: ModelShape, capacity_gib: float) -> Me
 def check(args: argparse.Namespace) -> MemoryPlan | None:
     """The run's plan; raises ``ValueError`` when a phase cannot fit. None when the model's
     shape is unknown (no config.json reachable offline) or the check is off (capacity 0)."""
-    capacity = _arg(args, "drpo.gpu_memory_gib")
+    capacity = flag(args, "drpo.gpu_memory_gib")
     if capacity <= 0:
         return None
-    shape = model_shape(_arg(args, "actor.model_name_or_path"))
+    shape = model_shape(flag(args, "actor.model_name_or_path"))
     if shape is None:
         return None
     memory = plan(args, shape, capacity)

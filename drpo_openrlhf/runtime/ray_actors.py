@@ -98,7 +98,7 @@ class _DRPOPolicyModelActor(
         engine_start.install()
         super().init_model_from_pretrained(strategy, *args, **kwargs)
         chunked_actor.install(self.actor, strategy.args.drpo_run.logprob_chunk_tokens)
-        config = DRPOConfig(**vars(strategy.args.drpo))
+        config = strategy.args.drpo
         # Swap the class rather than building a second trainer: the constructor opened the
         # vLLM weight-sync group, which must exist exactly once.
         upstream.swap_class(self.trainer, DRPOActorTrainer)
@@ -281,7 +281,7 @@ class _GroupAwarePPOTrainer(VerifiedSyncTrainer, ppo_trainer.PPOTrainer.__ray_ac
     def _watch_signal(self, experiences) -> dict[str, float]:
         """Print the rollout's step line; stop the run, before the update, once too many
         rollouts in a row had nothing to learn from (``signal_watch``)."""
-        config = None if self._shaper is not None else DRPOConfig(**vars(self.args.drpo))
+        config = None if self._shaper is not None else self.args.drpo
         rollout = rollout_signal(
             experiences,
             config,

@@ -86,6 +86,7 @@ from drpo_openrlhf.update.layout import (
     LayoutError,
     assign_group_steps,
     fixed_batch_mode,
+    layout_from_args,
     pack_group_microsteps,
     plan_from_slots,
 )
@@ -160,14 +161,7 @@ class DRPOActorTrainer(ActorPPOTrainer):
         self.drpo = config
         self.drpo_max_len = args.rollout.max_new_tokens
         self.drpo_group = data_parallel_group(self.strategy)
-        self.drpo_layout = Layout(
-            world_size=dist.get_world_size(self.drpo_group),
-            n_samples_per_prompt=args.rollout.n_samples_per_prompt,
-            rollout_batch_size=args.rollout.batch_size,
-            train_batch_size=args.train.batch_size,
-            micro_batch_size=self.micro_train_batch_size,
-            dynamic_batching=args.train.dynamic_batch_enable,
-        )
+        self.drpo_layout = layout_from_args(args, dist.get_world_size(self.drpo_group))
         self.drpo_layout.check()
         if self.drpo_layout.dynamic_batching:
             return

@@ -51,21 +51,9 @@ from drpo_openrlhf.update.layout import (
     UNTRAINED,
     Layout,
     cut_longest_first,
-    data_parallel_size,
     deal_rollout,
+    layout_from_args,
 )
-
-
-def layout_of(args, world_size: int) -> Layout:
-    """The batch arithmetic of OpenRLHF's nested ``args`` on ``world_size`` actor ranks."""
-    return Layout(
-        world_size=world_size,
-        n_samples_per_prompt=args.rollout.n_samples_per_prompt,
-        rollout_batch_size=args.rollout.batch_size,
-        train_batch_size=args.train.batch_size,
-        micro_batch_size=args.train.micro_batch_size,
-        dynamic_batching=args.train.dynamic_batch_enable,
-    )
 
 
 def deal_samples(samples: list, layout: Layout, pad_token_id: int, longest_first: bool) -> list:
@@ -118,9 +106,7 @@ class GroupTaggingExperienceMaker(RemoteExperienceMaker):
             return super().split_rollout_samples(rollout_samples)
         for i, sample in enumerate(rollout_samples):
             sample.index = [i]  # as OpenRLHF's own split does
-        gpus = args.actor.num_nodes * args.actor.num_gpus_per_node
-        world = data_parallel_size(gpus, args.ds.ring_attn_size, args.ds.tensor_parallel_size)
-        layout = layout_of(args, world)
+        layout = layout_from_args(args)
         longest_first = cut_longest_first(layout, args.drpo.kl_estimate)
         return deal_samples(rollout_samples, layout, self.tokenizer.pad_token_id, longest_first)
 

@@ -14,6 +14,8 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from drpo_openrlhf.flags import flag
+
 
 class LayoutError(ValueError):
     """A batch layout under which DRPO's gradient could not be computed exactly."""
@@ -118,6 +120,25 @@ class Layout:
                 f"--train.batch_size ({self.train_batch_size}) must divide the rollout's "
                 f"{rollout} responses; otherwise the last prompts would be dropped"
             )
+
+
+def layout_from_args(args: object, world_size: int | None = None) -> Layout:
+    """The layout of OpenRLHF's flags ``args``, flat as the entry point parses them or nested
+    as its actors hold them (``flags.flag``), on ``world_size`` data-parallel ranks; by
+    default as many as the flags make (``data_parallel_size``). The one place a ``Layout`` is
+    built from flags: the entry point's check, the driver's deal and the actor's plan agree."""
+    if world_size is None:
+        gpus = flag(args, "actor.num_nodes") * flag(args, "actor.num_gpus_per_node")
+        ring, tp = flag(args, "ds.ring_attn_size"), flag(args, "ds.tensor_parallel_size")
+        world_size = data_parallel_size(gpus, ring, tp)
+    return Layout(
+        world_size=world_size,
+        n_samples_per_prompt=flag(args, "rollout.n_samples_per_prompt"),
+        rollout_batch_size=flag(args, "rollout.batch_size"),
+        train_batch_size=flag(args, "train.batch_size"),
+        micro_batch_size=flag(args, "train.micro_batch_size"),
+        dynamic_batching=flag(args, "train.dynamic_batch_enable"),
+    )
 
 
 def _whole_groups(
