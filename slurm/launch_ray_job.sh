@@ -7,7 +7,8 @@
 # the cluster down on exit, failure, SIGTERM/SIGINT, and SIGUSR1 (Slurm's time-limit warning:
 # the job is first asked to save the step it is on and stop, then the launcher requeues it so
 # it resumes from that checkpoint).
-# Every setting is an environment variable; docs/launch.md lists them.
+# Every setting is an environment variable; docs/launch.md lists them. The training command is
+# built from them by drpo_openrlhf/runtime/recipe.py.
 #
 # Usage (normally through a recipe): launch_ray_job.sh [extra train flags...]
 # Internal, run by srun on each node: launch_ray_job.sh node head|worker ADDRESS
@@ -129,66 +130,10 @@ workers=()
 repo_dir=$(dirname "$(dirname "$self")")
 
 # ---------------------------------------------------------------------------------------------
-# Settings. Recipes export the model-specific ones (MODEL, LR, ZERO_STAGE, micro batches).
+# Settings of the launch itself. The training command's (MODEL, LR, METHOD, ...; the recipes
+# export the model-specific ones) are read by drpo_openrlhf/runtime/recipe.py below.
 # ---------------------------------------------------------------------------------------------
-: "${MODEL:?MODEL (HF id or local path of the policy) is required}"
-: "${LR:?LR is required}"
-METHOD=${METHOD:-drpo}
-LAMBDA=${LAMBDA:-0.1}
-TAU=${TAU:-10}
-DELTA=${DELTA:-1e-4}
-BETA0=${BETA0:-1e3}
-LENGTH_REWARD=${LENGTH_REWARD:-linear}
-DRPO_MAX_LEN=${DRPO_MAX_LEN:-}
-POSITIVE_REWARD=${POSITIVE_REWARD:-}
-SHAPING_PARAMS=${SHAPING_PARAMS:-}
-ROLLOUT_PROMPTS=${ROLLOUT_PROMPTS:-128}
-N_SAMPLES=${N_SAMPLES:-8}
-TRAIN_BATCH=${TRAIN_BATCH:-256}
-MICRO_TRAIN_BATCH=${MICRO_TRAIN_BATCH:-1}
-MICRO_ROLLOUT_BATCH=${MICRO_ROLLOUT_BATCH:-4}
-# LONG=16k|32k: a recipe's long-response variant. Ring attention splits every packed
-# micro-batch over 2 / 4 GPUs, so each GPU holds about as many tokens of it as in the 8k
-# recipe (docs/launch.md, "Long responses"); MAX_NEW_TOKENS and RING_ATTN_SIZE still win.
-LONG=${LONG:-}
-case $LONG in
-'') long_tokens=8192 long_ring=1 ;;
-16k) long_tokens=16384 long_ring=2 ;;
-32k) long_tokens=32768 long_ring=4 ;;
-*) die "LONG must be 16k or 32k, got '$LONG'" ;;
-esac
-MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-$long_tokens}
-RING_ATTN_SIZE=${RING_ATTN_SIZE:-$long_ring}
-PROMPT_MAX_LEN=${PROMPT_MAX_LEN:-1024}
-TEMPERATURE=${TEMPERATURE:-0.6}
-WEIGHT_DECAY=${WEIGHT_DECAY:-0.01}
-ZERO_STAGE=${ZERO_STAGE:-3}
-VLLM_TP=${VLLM_TP:-1}
-VLLM_GPU_UTIL=${VLLM_GPU_UTIL:-0.6}
-PACKING=${PACKING:-1}
-COLOCATE=${COLOCATE:-1}
-ATTN_IMPL=${ATTN_IMPL:-flash_attention_2}
-MAX_STEPS=${MAX_STEPS:-1000}
-NUM_EPISODES=${NUM_EPISODES:-}
-SAVE_STEPS=${SAVE_STEPS:-20}
-EVAL_STEPS=${EVAL_STEPS:-20}
-EVAL_N_SAMPLES=${EVAL_N_SAMPLES:-4}
-CKPT_MAX_NUM=${CKPT_MAX_NUM:-3}
-SAVE_HF=${SAVE_HF:-0}
-# OpenRLHF also keeps a full checkpoint of the best evaluation so far (best_global_stepN, one
-# more ZeRO checkpoint on disk and a save at every new best, inside the step the time-limit
-# grace must fit); off unless BEST_CKPT=1 (docs/launch.md)
-BEST_CKPT=${BEST_CKPT:-0}
-SEED=${SEED:-42}
-DATA_DIR=${DATA_DIR:-$repo_dir/data}
-TRAIN_DATA=${TRAIN_DATA:-$DATA_DIR/deepscaler.jsonl}
-default_eval=$DATA_DIR/aime2024.jsonl,$DATA_DIR/aime2025.jsonl,$DATA_DIR/amc.jsonl
-EVAL_DATA=${EVAL_DATA-$default_eval,$DATA_DIR/math500.jsonl}
-REWARD_FUNC=${REWARD_FUNC:-drpo_openrlhf/rewards/math_reward.py}
-OUTPUT_ROOT=${OUTPUT_ROOT:-$repo_dir/outputs}
 PYTHON=${PYTHON:-python}
-WANDB_PROJECT=${WANDB_PROJECT:-drpo}
-EXTRA_ARGS=${EXTRA_ARGS:-}
 RAY_PORT=${RAY_PORT:-6379}
 RAY_DASHBOARD_PORT=${RAY_DASHBOARD_PORT:-8265}
 RAY_WAIT_TIMEOUT=${RAY_WAIT_TIMEOUT:-600}
@@ -206,12 +151,9 @@ STOP_GRACE_S=${STOP_GRACE_S:-240}
 LAUNCH_MODE=${LAUNCH_MODE:-$([[ -n ${SLURM_JOB_ID:-} ]] && echo slurm || echo local)}
 
 is_positive() { [[ $1 =~ ^[1-9][0-9]*$ ]]; }
-for name in ROLLOUT_PROMPTS N_SAMPLES TRAIN_BATCH MICRO_TRAIN_BATCH MICRO_ROLLOUT_BATCH \
-  MAX_NEW_TOKENS PROMPT_MAX_LEN RING_ATTN_SIZE VLLM_TP MAX_STEPS SAVE_STEPS EVAL_STEPS EVAL_N_SAMPLES \
-  RAY_WAIT_TIMEOUT TEARDOWN_TIMEOUT SUBMIT_ATTEMPTS; do
+for name in RAY_WAIT_TIMEOUT TEARDOWN_TIMEOUT SUBMIT_ATTEMPTS; do
   is_positive "${!name}" || die "$name must be a positive integer, got '${!name}'"
 done
-[[ $BEST_CKPT == [01] ]] || die "BEST_CKPT must be 0 or 1, got '$BEST_CKPT'"
 [[ $STOP_GRACE_S =~ ^[0-9]+$ ]] ||
   die "STOP_GRACE_S must be a whole number of seconds, got '$STOP_GRACE_S'"
 
@@ -254,215 +196,16 @@ is_positive "${GPUS_PER_NODE:-}" ||
   die "cannot tell how many GPUs each node has (got '${GPUS_PER_NODE:-}'); set GPUS_PER_NODE"
 world=$((NNODES * GPUS_PER_NODE))
 
-# Colocated (the recipes): every GPU holds one DeepSpeed rank and, time-shared, a slice of a
-# vLLM engine. COLOCATE=0: ACTOR_GPUS_PER_NODE GPUs of each node train, the others generate
-# (also the layout of the CPU pipeline, whose vLLM cannot sleep). The batch arithmetic is
-# checked by the entry point itself (preflight below).
-case $COLOCATE in
-1)
-  actor_gpus_per_node=$GPUS_PER_NODE
-  vllm_gpus=$world
-  placement_args=(--train.colocate_all --vllm.enable_sleep --ds.enable_sleep)
-  ;;
-0)
-  actor_gpus_per_node=${ACTOR_GPUS_PER_NODE:-$((GPUS_PER_NODE / 2))}
-  ((actor_gpus_per_node >= 1 && actor_gpus_per_node < GPUS_PER_NODE)) ||
-    die "COLOCATE=0 needs 1 <= ACTOR_GPUS_PER_NODE < GPUS_PER_NODE=$GPUS_PER_NODE," \
-      "got '$actor_gpus_per_node'"
-  vllm_gpus=$((NNODES * (GPUS_PER_NODE - actor_gpus_per_node)))
-  placement_args=()
-  ;;
-*) die "COLOCATE must be 1 or 0, got '$COLOCATE'" ;;
-esac
-((vllm_gpus % VLLM_TP == 0)) ||
-  die "$vllm_gpus GPUs cannot be split into vLLM engines of VLLM_TP=$VLLM_TP"
-
 # ---------------------------------------------------------------------------------------------
-# Method: DRPO (default), DisCO (DRPO without the length reward), or a shaped-reward baseline
-# trained with OpenRLHF's PPO loss and group advantages.
+# The training command, the run's directory and the job's environment, from the settings:
+# drpo_openrlhf/runtime/recipe.py prints them as assignments (it reports a refused setting
+# itself). Relative paths are the ones of the directory the launcher runs in.
 # ---------------------------------------------------------------------------------------------
-# POSITIVE_REWARD (--drpo.positive_reward, docs/positive_rewards.md) with each plugin file's
-# path made absolute: the job runs in Ray's copy of the repository. Terms are joined by '+',
-# each `[weight*]name` with name a built-in or `file.py[:function]`.
-portable_positive_reward() {
-  local -a terms out=()
-  local term weight name path
-  IFS=+ read -ra terms <<<"$1"
-  for term in "${terms[@]}"; do
-    weight='' name=$term
-    if [[ $term == *'*'* ]]; then
-      weight="${term%%\**}*" name=${term#*\*}
-    fi
-    path=${name%%:*}
-    if [[ $path == *.py ]]; then
-      [[ -f $path ]] || die "POSITIVE_REWARD: plugin file $path does not exist"
-      name=$(realpath -m -- "$path")${name:${#path}}
-    fi
-    out+=("$weight$name")
-  done
-  (
-    IFS=+
-    echo "${out[*]}"
-  )
-}
-
-method_args=()
-case $METHOD in
-drpo | disco)
-  [[ $METHOD == disco ]] && LAMBDA=inf
-  run_tag=${METHOD}_lam${LAMBDA}
-  [[ $METHOD == disco ]] && run_tag=disco
-  # group_norm only keeps OpenRLHF from building a critic (its default estimator is gae);
-  # the DRPO loss does not use advantages.
-  method_args=(--algo.advantage.estimator "${ESTIMATOR:-group_norm}"
-    --drpo.lam "$LAMBDA" --drpo.tau "$TAU" --drpo.delta "$DELTA" --drpo.beta0 "$BETA0"
-    --drpo.length_reward "$LENGTH_REWARD")
-  [[ -n $DRPO_MAX_LEN ]] && method_args+=(--drpo.max_len "$DRPO_MAX_LEN")
-  if [[ -n $POSITIVE_REWARD ]]; then
-    positive=$(portable_positive_reward "$POSITIVE_REWARD")
-    method_args+=(--drpo.positive_reward "$positive")
-  fi
-  ;;
-rloo_lp | alp | hapo | l1_max | shorter_better | laser_d)
-  default_estimator=group_norm
-  [[ $METHOD == rloo_lp ]] && default_estimator=rloo
-  run_tag=$METHOD${SHAPING_PARAMS:+_$SHAPING_PARAMS}
-  method_args=(--algo.advantage.estimator "${ESTIMATOR:-$default_estimator}"
-    --shaping.method "$METHOD")
-  [[ -n $SHAPING_PARAMS ]] && method_args+=(--shaping.params "$SHAPING_PARAMS")
-  ;;
-*) die "unknown METHOD '$METHOD' (drpo disco rloo_lp alp hapo l1_max shorter_better laser_d)" ;;
-esac
-
-# ---------------------------------------------------------------------------------------------
-# Paths. The job runs in Ray's copy of the repository, so user paths are made absolute here;
-# they must be on storage every node sees.
-# ---------------------------------------------------------------------------------------------
-abs() { realpath -m -- "$1"; }
-looks_local() { [[ $1 == /* || $1 == .* || $1 == *.json* || $1 == *.parquet || -e $1 ]]; }
-
-[[ -e $MODEL ]] && MODEL=$(abs "$MODEL")
-if looks_local "$TRAIN_DATA"; then
-  [[ -f $TRAIN_DATA ]] || die "TRAIN_DATA=$TRAIN_DATA does not exist (python -m drpo_openrlhf.data)"
-  TRAIN_DATA=$(abs "$TRAIN_DATA")
-fi
-eval_files=()
-if [[ -n $EVAL_DATA ]]; then
-  IFS=, read -ra eval_items <<<"$EVAL_DATA"
-  for f in "${eval_items[@]}"; do
-    if looks_local "$f"; then
-      [[ -f $f ]] || die "eval set $f does not exist (set EVAL_DATA, or EVAL_DATA= to disable)"
-      f=$(abs "$f")
-    fi
-    eval_files+=("$f")
-  done
-fi
-EVAL_DATA=$(
-  IFS=,
-  echo "${eval_files[*]}"
-)
-
-sanitize() { tr -c 'A-Za-z0-9._-' '-' <<<"$1" | sed 's/-*$//'; }
-# a long variant is its own run: it must not resume the 8k run's checkpoints
-RUN_NAME=${RUN_NAME:-$(sanitize "${job_name}_${run_tag}${LONG:+_$LONG}")}
-OUTPUT_ROOT=$(abs "$OUTPUT_ROOT")
-RUN_DIR=$OUTPUT_ROOT/$RUN_NAME
-CKPT_DIR=$(abs "${CKPT_DIR:-$RUN_DIR/ckpt}")
-mkdir -p "$CKPT_DIR"
-
-# With --ckpt.load_enable the entry point picks the newest *complete* checkpoint (DeepSpeed
-# writes `latest` before every rank has finished; drpo_openrlhf/runtime/checkpoints.py)
-# and logs "drpo_openrlhf: resuming from ...": the launcher leaves that choice to it.
-
-# OpenRLHF ends an episode (a pass over the prompts) with whatever prompts are left; DRPO
-# trains only the whole-group optimizer steps of such a short rollout (and logs what it left
-# out): train on the first whole rollouts' worth of prompts so nothing is left out. Cover
-# MAX_STEPS with whole episodes; --drpo.max_steps stops the run exactly there.
-data_args=()
-if [[ -f $TRAIN_DATA && $TRAIN_DATA == *.jsonl ]]; then
-  n_prompts=$(grep -c . "$TRAIN_DATA" || true)
-  steps_per_episode=$((n_prompts / ROLLOUT_PROMPTS))
-  ((steps_per_episode > 0)) ||
-    die "TRAIN_DATA=$TRAIN_DATA has $n_prompts prompts, fewer than ROLLOUT_PROMPTS=$ROLLOUT_PROMPTS"
-  data_args=(--data.max_samples "$((steps_per_episode * ROLLOUT_PROMPTS))")
-  NUM_EPISODES=${NUM_EPISODES:-$(((MAX_STEPS + steps_per_episode - 1) / steps_per_episode))}
-  log "$n_prompts prompts: the first $((steps_per_episode * ROLLOUT_PROMPTS)) make" \
-    "$steps_per_episode steps/episode; $NUM_EPISODES episode(s) =" \
-    "$((NUM_EPISODES * steps_per_episode)) steps (MAX_STEPS=$MAX_STEPS)"
-fi
-[[ -n $NUM_EPISODES ]] || die "cannot count the prompts of TRAIN_DATA=$TRAIN_DATA; set NUM_EPISODES"
-is_positive "$NUM_EPISODES" || die "NUM_EPISODES must be a positive integer, got '$NUM_EPISODES'"
-
-# ---------------------------------------------------------------------------------------------
-# The training command.
-# ---------------------------------------------------------------------------------------------
-train_args=(
-  --actor.model_name_or_path "$MODEL"
-  --actor.num_nodes "$NNODES" --actor.num_gpus_per_node "$actor_gpus_per_node"
-  --vllm.num_engines "$((vllm_gpus / VLLM_TP))" --vllm.tensor_parallel_size "$VLLM_TP"
-  --vllm.gpu_memory_utilization "$VLLM_GPU_UTIL" "${placement_args[@]}"
-  --ds.zero_stage "$ZERO_STAGE" --ds.param_dtype bf16
-  --ds.attn_implementation "$ATTN_IMPL" --actor.gradient_checkpointing_enable
-  --data.prompt_dataset "$TRAIN_DATA" "${data_args[@]}"
-  --data.input_key prompt --data.label_key label
-  --data.apply_chat_template --data.max_len "$((PROMPT_MAX_LEN + MAX_NEW_TOKENS))"
-  --rollout.max_new_tokens "$MAX_NEW_TOKENS"
-  --rollout.batch_size "$ROLLOUT_PROMPTS" --rollout.n_samples_per_prompt "$N_SAMPLES"
-  --rollout.micro_batch_size "$MICRO_ROLLOUT_BATCH"
-  --rollout.temperature "$TEMPERATURE" --rollout.top_p 1.0
-  --train.batch_size "$TRAIN_BATCH" --train.micro_batch_size "$MICRO_TRAIN_BATCH"
-  --train.num_episodes "$NUM_EPISODES" --train.seed "$SEED" --drpo.max_steps "$MAX_STEPS"
-  --actor.adam.lr "$LR" --actor.adam.betas 0.9 0.999 --actor.adam.weight_decay "$WEIGHT_DECAY"
-  --actor.lr_scheduler constant --actor.lr_warmup_ratio 0 --actor.max_norm 1.0
-  --algo.kl.init_coef 0
-  --reward.remote_url "$REWARD_FUNC"
-  --ckpt.path "$CKPT_DIR" --ckpt.load_enable --ckpt.save_steps "$SAVE_STEPS"
-  --ckpt.max_num "$CKPT_MAX_NUM" --ckpt.output_dir "$RUN_DIR/model"
-  --logger.logging_steps 1 --logger.tensorboard_dir "$RUN_DIR/tensorboard"
-)
-[[ $PACKING == 1 ]] && train_args+=(--ds.packing_samples)
-if ((RING_ATTN_SIZE > 1)); then
-  # OpenRLHF would turn packing on by itself; say so instead of running another layout
-  [[ $PACKING == 1 ]] || die "RING_ATTN_SIZE=$RING_ATTN_SIZE needs PACKING=1: ring attention splits packed sequences"
-  train_args+=(--ds.ring_attn_size "$RING_ATTN_SIZE")
-fi
-[[ $SAVE_HF == 1 ]] && train_args+=(--ckpt.save_hf)
-if [[ -n $EVAL_DATA ]]; then
-  train_args+=(--eval.dataset "$EVAL_DATA" --eval.steps "$EVAL_STEPS"
-    --eval.temperature "$TEMPERATURE" --eval.n_samples_per_prompt "$EVAL_N_SAMPLES")
-  [[ $BEST_CKPT == 1 ]] || train_args+=(--ckpt.best_metric_key none)
-fi
-# wandb logs when a key is in the environment (or WANDB=1 with a ~/.netrc login). OpenRLHF
-# turns it on for any non-empty --logger.wandb.key and wandb then reads WANDB_API_KEY itself,
-# so the secret never appears on a command line, in the Ray job record, or in wandb's config.
-if [[ -n ${WANDB_API_KEY:-} || ${WANDB:-0} == 1 ]]; then
-  train_args+=(--logger.wandb.key from-environment --logger.wandb.project "$WANDB_PROJECT"
-    --logger.wandb.run_name "$RUN_NAME")
-  [[ -n ${WANDB_ENTITY:-} ]] && train_args+=(--logger.wandb.org "$WANDB_ENTITY")
-  [[ -n ${WANDB_GROUP:-} ]] && train_args+=(--logger.wandb.group "$WANDB_GROUP")
-  # A requeued job continues the same wandb run.
-  export WANDB_RUN_ID=${WANDB_RUN_ID:-$RUN_NAME} WANDB_RESUME=${WANDB_RESUME:-allow}
-fi
-read -ra extra_args <<<"$EXTRA_ARGS"
-train_args+=("${method_args[@]}" "${extra_args[@]}" "$@")
-
-# The value of the last `FLAG VALUE` / `FLAG=VALUE` among the arguments after $1 (argparse's
-# choice when a trailing flag overrides the recipe's).
-last_value() {
-  local flag=$1 value="" next=0 arg
-  for arg in "${@:2}"; do
-    if ((next)); then
-      value=$arg next=0
-    elif [[ $arg == "$flag" ]]; then
-      next=1
-    elif [[ $arg == "$flag="* ]]; then
-      value=${arg#*=}
-    fi
-  done
-  printf '%s\n' "$value"
-}
-# The trainer looks for this file after every step (drpo_openrlhf/runtime/graceful_stop.py).
-stop_file=$(last_value --ckpt.path "${train_args[@]}")/DRPO_STOP_REQUESTED
+run_name="" ckpt_dir="" stop_file="" runtime_env="" train_args=()
+plan=$(workdir=$PWD && cd "$repo_dir" && "$PYTHON" -m drpo_openrlhf.runtime.recipe \
+  "$NNODES" "$GPUS_PER_NODE" "$job_name" "$workdir" "$@") || exit 1
+eval "$plan"
+mkdir -p "$ckpt_dir"
 
 # Preflight: the entry point's own parser and checks (unknown flags, PPO-only flags, layouts
 # that split prompt groups) on this node, in seconds, before any Ray node starts.
@@ -473,49 +216,8 @@ if [[ ${PREFLIGHT:-1} == 1 ]]; then
   fi
 fi
 
-# ---------------------------------------------------------------------------------------------
-# Environment for every node and the job.
-# ---------------------------------------------------------------------------------------------
-if [[ -n ${NET_IFACE:-} ]]; then
-  export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$NET_IFACE}
-  export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$NET_IFACE}
-fi
 export GPUS_PER_NODE RAY_PORT RAY_DASHBOARD_PORT
 export NET_IFACE=${NET_IFACE:-} RAY_START_ARGS=${RAY_START_ARGS:-}
-export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
-
-json_str() {
-  local s=$1
-  [[ $s != *[[:cntrl:]]* ]] || die "cannot pass a value with control characters to Ray: ${s@Q}"
-  s=${s//\\/\\\\}
-  printf '"%s"' "${s//\"/\\\"}"
-}
-# Forwarded explicitly (srun already exports the batch environment to every node, but the job
-# record then shows the settings): NCCL/GLOO/HF/vLLM/wandb variables plus RAY_ENV_VARS, never
-# anything that looks like a secret; secrets reach the processes through the node environment.
-runtime_env_vars() {
-  local -a names user_names
-  local name key value sep=""
-  mapfile -t names < <(compgen -e | grep -E '^(NCCL_|GLOO_|HF_|TRANSFORMERS_|VLLM_|WANDB_)' |
-    grep -vxE 'VLLM_TP|VLLM_GPU_UTIL') # the launcher's own settings, unknown to vLLM
-  read -ra user_names <<<"${RAY_ENV_VARS//,/ }"
-  printf '{'
-  for name in $(printf '%s\n' TOKENIZERS_PARALLELISM PYTHONUNBUFFERED "${names[@]}" \
-    "${user_names[@]}" | sort -u); do
-    [[ $name =~ (^|_)(KEY|TOKEN|SECRET|PASSWORD)(_|$) ]] && continue
-    [[ -v $name ]] || continue
-    key=$(json_str "$name")
-    value=$(json_str "${!name}")
-    printf '%s%s: %s' "$sep" "$key" "$value"
-    sep=", "
-  done
-  printf '}'
-}
-RAY_ENV_VARS=${RAY_ENV_VARS:-}
-env_json=$(runtime_env_vars)
-repo_json=$(json_str "$repo_dir")
-excludes='".git", ".venv", "outputs", "results", "wandb", "__pycache__", "*.safetensors", "*.pt"'
-runtime_env="{\"working_dir\": $repo_json, \"excludes\": [$excludes], \"env_vars\": $env_json}"
 
 # ---------------------------------------------------------------------------------------------
 # Ray cluster, job, teardown.
@@ -524,7 +226,7 @@ head_ip=127.0.0.1
 [[ $LAUNCH_MODE == slurm ]] && head_ip=$(node_ip)
 gcs=$head_ip:$RAY_PORT
 dashboard=http://$head_ip:$RAY_DASHBOARD_PORT
-submission_id=${RUN_NAME}-${SLURM_JOB_ID:-local}-${SLURM_RESTART_COUNT:-0}
+submission_id=${run_name}-${SLURM_JOB_ID:-local}-${SLURM_RESTART_COUNT:-0}
 node_pids=()
 submit_pid=""
 submit_err=""   # the current attempt's copy of `ray job submit`'s stderr
@@ -654,7 +356,7 @@ wait_for_gpus() {
 }
 
 log "mode=$LAUNCH_MODE nodes=$NNODES gpus/node=$GPUS_PER_NODE head=$head_node ($head_ip)" \
-  "run=$RUN_NAME"
+  "run=$run_name"
 if [[ $LAUNCH_MODE == slurm ]]; then
   srun --overlap --nodes=1 --ntasks=1 -w "$head_node" bash "$self" node head "$head_ip" &
 else

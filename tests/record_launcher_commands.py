@@ -207,21 +207,16 @@ def scratch(tmp: Path) -> None:
     (cwd / "my-model").mkdir()
 
 
-def launch(tree: Path, tmp: Path, case: dict) -> dict:
-    """One case through the launcher of ``tree``: its exit, and what it submitted or its
-    error."""
-    state, log = tmp / "state", tmp / "calls.jsonl"
-    state.mkdir(exist_ok=True)
-    log.write_text("")
-    path = os.pathsep.join(
-        [str(TESTS / "fakeslurm"), str(Path(sys.executable).parent), "/usr/bin:/bin"]
-    )
+def launch_env(tree: Path, tmp: Path, case: dict) -> tuple[Path, list[str], dict[str, str]]:
+    """The script, arguments and environment a case launches with (as tests/test_launch_scripts.py
+    launches the recipes)."""
+    path = [str(TESTS / "fakeslurm"), str(Path(sys.executable).parent), "/usr/bin:/bin"]
     env = {
-        "PATH": path,
+        "PATH": os.pathsep.join(path),
         "HOME": str(tmp),
         "LANG": "C.UTF-8",
-        "FAKE_LOG": str(log),
-        "FAKE_STATE": str(state),
+        "FAKE_LOG": str(tmp / "calls.jsonl"),
+        "FAKE_STATE": str(tmp / "state"),
         "DATA_DIR": str(tmp / "data"),
         "OUTPUT_ROOT": str(tmp / "out"),
         "RAY_POLL_INTERVAL": "0.05",
@@ -234,9 +229,19 @@ def launch(tree: Path, tmp: Path, case: dict) -> dict:
     else:
         script, args = tree / "slurm" / f"drpo_{case['size']}.sh", case["args"]
         env |= SLURM_ENV | {"SLURM_SUBMIT_DIR": str(tree)}
+    return script, args, env | case["env"]
+
+
+def launch(tree: Path, tmp: Path, case: dict) -> dict:
+    """One case through the launcher of ``tree``: its exit, and what it submitted or its
+    error."""
+    state, log = tmp / "state", tmp / "calls.jsonl"
+    state.mkdir(exist_ok=True)
+    log.write_text("")
+    script, args, env = launch_env(tree, tmp, case)
     result = subprocess.run(
         ["bash", str(script), *args],
-        env=env | case["env"],
+        env=env,
         cwd=tmp / "cwd",
         capture_output=True,
         text=True,

@@ -8,6 +8,7 @@ import pytest
 from test_e2e_pipeline import train as run_train
 
 from drpo_openrlhf import train
+from drpo_openrlhf.runtime import train_defaults
 
 BASE = [
     "--actor.model_name_or_path",
@@ -68,8 +69,9 @@ def test_parse_applies_drpo_defaults_and_keeps_user_values():
     assert value_after(argv, "--algo.kl.init_coef") == ["0"]
     assert value_after(argv, "--actor.adam.betas") == ["0.9", "0.999"]
     assert value_after(argv, "--actor.lr_scheduler") == ["constant"]
-    assert value_after(argv, "--reward.remote_url") == [train.MATH_REWARD]
-    assert Path(train.MATH_REWARD).is_absolute() and Path(train.MATH_REWARD).is_file()
+    assert value_after(argv, "--reward.remote_url") == [train_defaults.MATH_REWARD]
+    math_reward = Path(train_defaults.MATH_REWARD)
+    assert math_reward.is_absolute() and math_reward.is_file()
     assert value_after(argv, "--rollout.temperature") == ["0.7"]
     assert argv.count("--rollout.temperature") == 1
 
@@ -380,9 +382,9 @@ def test_main_in_baseline_mode_keeps_openrlhfs_actor(entry_point):
 def test_reward_path_is_relative_inside_a_ray_working_dir_copy(tmp_path, monkeypatch):
     copy = tmp_path / "runtime_resources" / "working_dir_files" / "_ray_pkg_abc"
     (copy / "drpo_openrlhf" / "rewards").mkdir(parents=True)
-    monkeypatch.setattr(train, "__file__", str(copy / "drpo_openrlhf" / "train.py"))
+    monkeypatch.setattr(train_defaults, "PACKAGE", copy / "drpo_openrlhf")
     monkeypatch.chdir(copy)
-    assert train.reward_plugin_path() == "drpo_openrlhf/rewards/math_reward.py"
+    assert train_defaults.reward_plugin_path() == "drpo_openrlhf/rewards/math_reward.py"
 
 
 def _bad_inputs(toy, tmp_path: Path) -> list[tuple[list[str], str]]:

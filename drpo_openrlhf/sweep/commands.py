@@ -8,17 +8,24 @@ import functools
 from pathlib import Path
 
 from drpo_openrlhf.rewards.answer_format import AnswerFormat, answer_format
+from drpo_openrlhf.runtime import recipe
 from drpo_openrlhf.sweep.spec import Run, Sweep, format_value, seeded_flags
 
 
-def method_flags(run: Run) -> list[str]:
-    """What selects the run's method and its parameters on the entry point."""
-    if run.method == "disco":
-        return ["--drpo.lam", "inf"]
+def method_env(run: Run) -> dict[str, str]:
+    """The run's method as the recipes' variables (METHOD, LAMBDA, SHAPING_PARAMS)."""
+    env = {"METHOD": run.method}
     if run.method == "drpo":
-        return ["--drpo.lam", format_value(dict(run.params)["lambda"])]
-    params = ",".join(f"{k}={format_value(v)}" for k, v in run.params)
-    return ["--shaping.method", run.method, *(["--shaping.params", params] if params else [])]
+        env["LAMBDA"] = format_value(dict(run.params)["lambda"])
+    elif run.method != "disco" and run.params:
+        env["SHAPING_PARAMS"] = ",".join(f"{k}={format_value(v)}" for k, v in run.params)
+    return env
+
+
+def method_flags(run: Run) -> list[str]:
+    """What selects the run's method and its parameters on the entry point: the recipes'
+    own translation of those variables."""
+    return recipe.method_flags(method_env(run))
 
 
 def model_dir(sweep: Sweep, run: Run) -> str:
@@ -49,12 +56,7 @@ def recipe_env(sweep: Sweep, run: Run) -> dict[str, str]:
     directory (``$OUTPUT_ROOT/$RUN_NAME``, which requeue and resume key on)."""
     env = {"RUN_NAME": run.name, "MODEL": run.base_model, "TRAIN_DATA": run.train_data}
     env["SEED"] = str(run.seed)
-    env["METHOD"] = run.method
-    if run.method == "drpo":
-        env["LAMBDA"] = format_value(dict(run.params)["lambda"])
-    elif run.method != "disco" and run.params:
-        env["SHAPING_PARAMS"] = ",".join(f"{k}={format_value(v)}" for k, v in run.params)
-    return env
+    return env | method_env(run)
 
 
 FLAG = "--drpo.answer_format"

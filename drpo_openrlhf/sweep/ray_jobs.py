@@ -9,10 +9,10 @@ import re
 import subprocess
 from pathlib import Path
 
+from drpo_openrlhf.runtime.recipe import EXCLUDES
 from drpo_openrlhf.sweep.spec import Run, Sweep
 
 REPO = Path(__file__).resolve().parents[2]
-EXCLUDES = [".git", ".venv", "outputs", "results", "wandb", "__pycache__", "*.safetensors", "*.pt"]
 ACTIVE = {"PENDING", "RUNNING"}
 
 
