@@ -101,11 +101,16 @@ def test_long_variants_fit_an_80gb_card_and_pass_their_preflight(size, tokens, r
 
 
 def test_unchunked_log_probs_of_the_15b_recipe_are_refused_naming_the_flag(tmp_path, capsys):
-    """The issue's case: 8 responses of 9,216 tokens through a 151,936-word vocabulary."""
+    """Micro-batches of 4 responses of 9,216 tokens through a 151,936-word vocabulary. pi_old
+    scores the update's micro-batches (one response more in a short last rollout)."""
     plan = recipe_plan("1.5b", tmp_path, **{"drpo.logprob_chunk_tokens": 0})
-    scoring = next(p for p in plan if p.name == "scoring")
+    scoring, training = (
+        next(p for p in plan if p.name == name) for name in ("scoring", "training")
+    )
     logits = next(t for t in scoring.terms if t.name == "logits")
-    assert logits.gib == pytest.approx(8 * 9216 * 151936 * 6 / 2**30)  # bf16 + fp32 copies
+    assert logits.gib == pytest.approx(5 * 9216 * 151936 * 6 / 2**30)  # bf16 + fp32 copies
+    logits = next(t for t in training.terms if t.name == "logits")
+    assert logits.gib == pytest.approx(4 * 9216 * 151936 * 12 / 2**30)  # and their gradients
     assert logits.gib > 60
     argv = recipe_argv("1.5b", tmp_path, **{"drpo.logprob_chunk_tokens": 0})
     with pytest.raises(SystemExit):
@@ -131,8 +136,9 @@ def test_settings_that_cannot_fit_name_what_to_change(changes, flag, tmp_path, c
 
 
 def test_a_reference_model_scores_unchunked(tmp_path):
-    """A baseline with a KL penalty: OpenRLHF's reference model materialises its logits."""
-    changes = {"algo.kl.init_coef": 0.01}
+    """A baseline with a KL penalty: OpenRLHF's reference model materialises its logits, in
+    the rollout's micro-batches (a baseline's experience is split by OpenRLHF)."""
+    changes = {"algo.kl.init_coef": 0.01, "shaping.method": "rloo_lp"}
     plan = recipe_plan("1.5b", tmp_path, **changes)
     assert any("reference model" in p for p in plan.problems())
     smaller = recipe_plan("1.5b", tmp_path, **changes, **{"rollout.micro_batch_size": 2})
@@ -147,7 +153,7 @@ def test_tensor_parallel_logits_name_the_micro_batch_not_chunks(tmp_path, capsys
     with pytest.raises(SystemExit):
         train.parse(recipe_argv("1.5b", tmp_path, **tp))
     err = capsys.readouterr().err
-    assert "logits 62.6 GiB: --rollout.micro_batch_size (log-probs are not chunked" in err
+    assert "logits 62.6 GiB: --train.micro_batch_size (log-probs are not chunked" in err
     smaller = {"train.micro_batch_size": 1, "rollout.micro_batch_size": 1}
     train.parse(recipe_argv("1.5b", tmp_path, **tp, **smaller))
 

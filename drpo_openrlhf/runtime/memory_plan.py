@@ -226,9 +226,20 @@ def plan(args: argparse.Namespace, shape: ModelShape, capacity_gib: float) -> Me
     else:
         # ring attention: each GPU of a ring group forwards its slice of the packed tokens
         ring = flag(args, "ds.ring_attn_size")
-        train_tokens = -(-flag(args, "train.micro_batch_size") * max_len // ring)
-        score_tokens = -(-flag(args, "rollout.micro_batch_size") * max_len // ring)
-        train_flag, score_flag = "--train.micro_batch_size", "--rollout.micro_batch_size"
+        train_rows = flag(args, "train.micro_batch_size")
+        train_tokens = -(-train_rows * max_len // ring)
+        train_flag = "--train.micro_batch_size"
+        if flag(args, "shaping.method"):  # OpenRLHF's own split of the rollout
+            score_rows, score_flag = (
+                flag(args, "rollout.micro_batch_size"),
+                "--rollout.micro_batch_size",
+            )
+        else:
+            # DRPO deals the rollout into the update's micro-batches before pi_old (and the
+            # reference) score it (update/experience.py: deal_samples); a short last rollout
+            # can add one response to a rank's last micro-batch
+            score_rows, score_flag = train_rows + 1, train_flag
+        score_tokens = -(-score_rows * max_len // ring)
         if tp == 1:  # ring attention and AutoTP together are refused (train.py)
             train_flag += " (or --ds.ring_attn_size)"
             score_flag += " (or --ds.ring_attn_size)"
