@@ -121,19 +121,37 @@ def read_local_template(model_dir: Path) -> ChatTemplate | None:
 
 
 def _hub_snapshot(model: str) -> Path:
-    """The local snapshot folder of a Hub model's tokenizer config and template files
-    (downloaded, or from the cache offline); raises when even the config cannot be had. A
-    template file missing then is one the repository does not have (or that was never
-    cached with it, as transformers would find it offline too)."""
-    from huggingface_hub import hf_hub_download
+    """The local snapshot folder of a Hub model's tokenizer config and template files; raises
+    when even the config cannot be had. The cache answers first: when it holds the config and
+    knows of every template file (cached, or known missing), no request is made. Otherwise one
+    request without retries tells whether the Hub can be reached: a login node without
+    internet would wait out the Hub client's back-off (five retries, 23 s) on every file, and
+    then reads what the cache has, as transformers does offline."""
+    from huggingface_hub import (
+        get_hf_file_metadata,
+        hf_hub_download,
+        hf_hub_url,
+        try_to_load_from_cache,
+    )
 
-    config = Path(hf_hub_download(model, "tokenizer_config.json"))
-    for name in (*TEMPLATE_FILES, "special_tokens_map.json"):
+    names = ("tokenizer_config.json", *TEMPLATE_FILES, "special_tokens_map.json")
+    cached = {name: try_to_load_from_cache(model, name) for name in names}
+    config = cached["tokenizer_config.json"]
+    if isinstance(config, str) and all(found is not None for found in cached.values()):
+        return Path(config).parent
+    try:
+        get_hf_file_metadata(hf_hub_url(model, "tokenizer_config.json"), timeout=10)
+    except Exception:
+        if isinstance(config, str):
+            return Path(config).parent
+        raise
+    folder = Path(hf_hub_download(model, "tokenizer_config.json")).parent
+    for name in names[1:]:
         try:
             hf_hub_download(model, name)
         except Exception:
             continue
-    return config.parent
+    return folder
 
 
 def read_chat_template(model: str) -> ChatTemplate | None:
