@@ -72,6 +72,8 @@ def cases() -> list[dict]:
         case(f"{size}-drpo-long32k", size, {"LONG": "32k"})
     # quoting hazards: EXTRA_ARGS is split on blanks (no quote removal), trailing flags are kept
     case("extra-args-hazards", env={"EXTRA_ARGS": HAZARD})
+    # the bash launcher kept only the first line (--a 1); the recording was edited to keep
+    # both, the one intended change of the translation (runtime/recipe.py: read_words)
     case("extra-args-newline", env={"EXTRA_ARGS": "--a 1\n--b 2"})
     case("extra-args-blank-edges", env={"EXTRA_ARGS": " \t --a\t 1  "})
     case("trailing-args-hazards", env={"EXTRA_ARGS": "--rollout.top_p 0.9"}, args=HAZARD_ARGS)

@@ -127,9 +127,10 @@ def read_fields(text: str, separator: str) -> list[str]:
 
 
 def read_words(text: str) -> list[str]:
-    """``read -ra`` of bash: the first line's blank-separated words, quotes kept as they are."""
-    line = text.split("\n", 1)[0].strip(" \t")
-    return re.split(r"[ \t]+", line) if line else []
+    """The words of ``text`` split on bash's default IFS (space, tab, newline), quotes kept as
+    they are: ``read -ra`` would keep only the first line, dropping the rest without a word."""
+    text = text.strip(" \t\n")
+    return re.split(r"[ \t\n]+", text) if text else []
 
 
 def method_flags(env: Mapping[str, str]) -> list[str]:
