@@ -176,6 +176,31 @@ def dealt_after_scoring(made, samples: list, layout) -> list:
     return [make_experience_batch([items[i] for i, _ in pairs])]
 
 
+def rounds_by_batch_shape(actor) -> bool:
+    """Whether this CPU's bf16 kernels score the rollout's responses otherwise in consecutive
+    micro-batches of 8 (``--rollout.micro_batch_size``) than of 4 (the update's), each padded
+    to its own longest: the floor the controls show exists only where they do, which depends
+    on the CPU's kernels (AVX2, AVX-512, AMX)."""
+    data = long_rollout()
+
+    def scored(rows: int) -> list[torch.Tensor]:
+        out = []
+        for first in range(0, len(data["sequences"]), rows):
+            part = slice(first, first + rows)
+            width = int(data["attention_mask"][part].sum(1).max())
+            action_mask = data["action_mask"][part, : width - 1]
+            with torch.no_grad():
+                log_probs = actor(
+                    data["sequences"][part, :width],
+                    action_mask,
+                    attention_mask=data["attention_mask"][part, :width],
+                )
+            out += [row[mask] for row, mask in zip(log_probs, action_mask, strict=True)]
+        return out
+
+    return any(not torch.equal(a, b) for a, b in zip(scored(8), scored(4), strict=True))
+
+
 def run_rank(rank: int, port: int, out_dir: str) -> None:
     testing.set_rank_env(rank, 1, port)
     torch.set_num_threads(1)
@@ -198,6 +223,8 @@ def run_rank(rank: int, port: int, out_dir: str) -> None:
         trainer.__class__ = WithoutFallback if case.control == "no_fallback" else DRPOActorTrainer
         trainer.enable_drpo(DRPOConfig(kl_estimate=case.kl_estimate, max_len=110))
         made = experience_maker(args, actor, strategy)
+        if case.control == "deal_after":
+            results["rounds_by_batch_shape"] = rounds_by_batch_shape(actor)
         samples = testing.rollout_samples(long_rollout())
         with testing.cuda_queries_answered("cpu", "cpu"):
             if case.control == "deal_after":
@@ -237,5 +264,8 @@ def test_the_first_steps_kl_estimate_is_exactly_zero_in_bf16(results, case):
 @pytest.mark.parametrize("case", [c for c in CASES if c.control], ids=lambda c: c.name)
 def test_old_log_probs_from_other_batches_leave_a_floor(results, case):
     """The model rounds differently in differently padded batches: without the deal before
-    the old log-probs (or the fallback) the KL estimate is not zero."""
+    the old log-probs (or the fallback) the KL estimate is not zero. On a CPU whose kernels
+    round alike in both shapes there is no floor to show."""
+    if not results["rounds_by_batch_shape"]:
+        pytest.skip("this CPU's bf16 kernels score alike in micro-batches of 8 and 4")
     assert results[case.name]["kl"] != 0.0
