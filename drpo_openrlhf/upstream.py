@@ -749,15 +749,23 @@ def _upstream(path: str, current: object) -> object:
     return original if ours is not None and current is ours else current
 
 
+def _owner(row: Patch) -> tuple[object, str]:
+    """The object that holds ``row``'s symbol (upstream originals all the way), and the
+    symbol's last name. Raises ImportError or AttributeError when a part is missing."""
+    owner = importlib.import_module(row.module)
+    path = row.module
+    *parents, name = row.symbol.split(".")
+    for part in parents:
+        path = f"{path}.{part}"
+        owner = _upstream(path, getattr(owner, part))
+    return owner, name
+
+
 def resolve(row: Patch) -> object:
     """The upstream object of ``row`` (the original, where ``apply`` replaced it here).
     Raises ImportError or AttributeError when it is missing."""
-    obj = importlib.import_module(row.module)
-    path = row.module
-    for name in row.symbol.split("."):
-        path = f"{path}.{name}"
-        obj = _upstream(path, getattr(obj, name))
-    return obj
+    owner, name = _owner(row)
+    return _upstream(row.path, getattr(owner, name))
 
 
 def signature_of(obj: object) -> str | None:
@@ -811,11 +819,8 @@ def apply(site: str, values: Mapping[str, object]) -> None:
         raise KeyError(f"upstream.apply({site!r}): rows {sorted(expected)}, got {sorted(values)}")
     found = []
     for row in rows:
-        owner = importlib.import_module(row.module)
-        *parents, name = row.symbol.split(".")
         try:
-            for part in parents:
-                owner = getattr(owner, part)
+            owner, name = _owner(row)
             found.append((row, owner, name, getattr(owner, name)))
         except AttributeError as error:
             _refuse([Mismatch(row, None, f"missing (AttributeError: {error})")])

@@ -111,6 +111,11 @@ def honest_level(means: Iterable[float]) -> float:
     return ordered[(len(ordered) - 1) // 2]
 
 
+def _over(gaps: dict[int, Gap], limit: float) -> dict[int, Gap]:
+    """The engines whose mean gap is above ``limit``."""
+    return {i: g for i, g in gaps.items() if g[0] > limit}
+
+
 def _engines(gaps: dict[int, Gap], count: int | None = None) -> str:
     shown = sorted(gaps.items(), key=lambda kv: -kv[1][0])[:count]
     return ", ".join(f"engine {i} {m:.3g} (max {x:.3g})" for i, (m, x, _) in shown)
@@ -166,7 +171,7 @@ class GapLimit:
         return limit, None
 
     def _measure(self, gaps: dict[int, Gap], step: int) -> tuple[float, str]:
-        over_cap = {i: g for i, g in gaps.items() if g[0] > HONEST_CAP}
+        over_cap = _over(gaps, HONEST_CAP)
         if over_cap:
             raise LogprobGapError(
                 f"rollout step {step}, the run's first (engines checked to hold the actor's "
@@ -193,7 +198,7 @@ class GapLimit:
         self, gaps: dict[int, Gap], step: int, saved: float, limit: float, honest: str
     ) -> tuple[float, str]:
         resume_limit = max(RESUME_FACTOR * saved, MIN_LIMIT)
-        over = {i: g for i, g in gaps.items() if g[0] > resume_limit}
+        over = _over(gaps, resume_limit)
         if over:
             worst = max(g[0] for g in over.values())
             raise LogprobGapError(
@@ -212,7 +217,7 @@ class GapLimit:
 
     @staticmethod
     def _raise_over(gaps: dict[int, Gap], step: int, limit: float, source: str) -> None:
-        over = {i: g for i, g in gaps.items() if g[0] > limit}
+        over = _over(gaps, limit)
         if over:
             raise LogprobGapError(
                 f"rollout step {step}: vLLM's rollout log-probs differ from the actor's by more "

@@ -33,6 +33,8 @@ USAGE = (
     "usage: python -m drpo_openrlhf.runtime.recipe NODES GPUS_PER_NODE JOB_NAME WORKDIR [FLAG ...]"
 )
 
+# algo.shaping.METHODS, written out: importing algo would load torch on every launch (about
+# 1 s); tests/test_recipe_command.py holds the two equal
 SHAPED_METHODS = ("rloo_lp", "alp", "hapo", "l1_max", "shorter_better", "laser_d")
 METHODS = ("drpo", "disco", *SHAPED_METHODS)
 # The recipe's settings where unset or empty (docs/launch.md); the recipes set MODEL, LR,
@@ -229,28 +231,20 @@ def _control(char: str) -> bool:
     return ord(char) < 0x20 or 0x7F <= ord(char) <= 0x9F
 
 
-def _json_str(text: str) -> str:
-    if any(_control(c) for c in text):
-        raise RecipeError(f"cannot pass a value with control characters to Ray: {bash_quote(text)}")
-    return json.dumps(text, ensure_ascii=False)
-
-
 def runtime_env(env: Mapping[str, str], repo: str) -> str:
     """Ray's runtime-env JSON: the repository as the job's working directory, and the
     forwarded variables that are set, by name."""
     names = {n for n in env if FORWARDED.match(n) and n not in OWN_SETTINGS}
     names |= {"TOKENIZERS_PARALLELISM", "PYTHONUNBUFFERED"}
     names |= set(read_words(env.get("RAY_ENV_VARS", "").replace(",", " ")))
-    pairs = [
-        f"{_json_str(n)}: {_json_str(env[n])}"
-        for n in sorted(names)
-        if not SECRET.search(n) and n in env
-    ]
-    excludes = ", ".join(json.dumps(e) for e in EXCLUDES)
-    return (
-        f'{{"working_dir": {_json_str(repo)}, "excludes": [{excludes}], '
-        f'"env_vars": {{{", ".join(pairs)}}}}}'
-    )
+    env_vars = {n: env[n] for n in sorted(names) if not SECRET.search(n) and n in env}
+    for text in (*(t for pair in env_vars.items() for t in pair), repo):
+        if any(_control(c) for c in text):
+            raise RecipeError(
+                f"cannot pass a value with control characters to Ray: {bash_quote(text)}"
+            )
+    runtime = {"working_dir": repo, "excludes": EXCLUDES, "env_vars": env_vars}
+    return json.dumps(runtime, ensure_ascii=False)
 
 
 def plan(
