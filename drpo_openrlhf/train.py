@@ -23,6 +23,7 @@ from drpo_openrlhf.rewards import answer_format
 from drpo_openrlhf.runtime import memory_plan, openrlhf_flags, preflight
 from drpo_openrlhf.runtime.checkpoint_check import check_checkpoint
 from drpo_openrlhf.runtime.checkpoints import innermost, prepare_resume, stop_message
+from drpo_openrlhf.runtime.cpu_dtype import CPU_DTYPES
 from drpo_openrlhf.runtime.device import DEVICES
 from drpo_openrlhf.runtime.graceful_stop import StopRequested, clear_stale_request
 from drpo_openrlhf.runtime.openrlhf_cli import check_openrlhf_validation, openrlhf_parser
@@ -206,6 +207,14 @@ def add_drpo_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="GPU or CPU run; 'auto' asks the Ray cluster whether a process holding one of its "
         "GPUs sees CUDA, whatever the driver sees (default %(default)s; docs/gpu.md)",
+    )
+    g.add_argument(
+        "--drpo.cpu_dtype",
+        choices=CPU_DTYPES,
+        default="auto",
+        help="a CPU run's dtype for actor, reference and vLLM engines (a GPU run is bf16 as "
+        "--ds.param_dtype says); 'auto': bf16 where the CPU has bf16 instructions (AVX512_BF16, "
+        "AMX), else fp32, 40-60x faster there (default %(default)s; docs/cpu.md)",
     )
     g.add_argument(
         "--drpo.lambda_by_pass_rate",

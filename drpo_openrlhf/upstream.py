@@ -233,6 +233,19 @@ TABLE: tuple[Patch, ...] = (
         ),
     ),
     Patch(
+        site="cpu_openrlhf",
+        module="openrlhf.utils.utils",
+        symbol="convert_to_torch_dtype",
+        kind=WRAPPED,
+        why=(
+            "CPU run without native bf16: actor and reference load in fp32 "
+            "(args.ds.param_dtype 'fp32', runtime/cpu_dtype.py), a dtype it refuses"
+        ),
+        source="openrlhf/utils/utils.py",
+        ours="drpo_openrlhf.runtime.cpu_support._patch_openrlhf",
+        signature="(param_dtype: str) -> torch.dtype",
+    ),
+    Patch(
         site="ray_worker_exit",
         module="ray._private.worker",
         symbol="Worker.main_loop",
@@ -629,7 +642,10 @@ TABLE: tuple[Patch, ...] = (
         module="openrlhf.trainer.ray.vllm_engine",
         symbol="RolloutRayActor.__ray_actor_class__.__init__",
         kind=OVERRIDDEN,
-        why="our worker extension, and the reward guard on the executor",
+        why=(
+            "our worker extension, the reward guard on the executor, and a CPU engine's dtype "
+            "(create_vllm_engines hard-codes bfloat16; runtime/cpu_dtype.py)"
+        ),
         source="openrlhf/trainer/ray/vllm_engine.py",
         ours="drpo_openrlhf.runtime.ray_actors.CPURolloutRayActor",
         signature=(

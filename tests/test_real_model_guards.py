@@ -1,17 +1,18 @@
 """The weight probe and the rollout log-prob gap on the real model, SmolLM2-135M-Instruct (the
 session's ``smollm2`` fixture), through Hugging Face alone: no pipeline run, no vLLM.
 
-Stand-in engines are Hugging Face instances of the model in bf16 (sdpa), as the actor runs
-it; what they score is what the guards compare (``algo/weight_probe.py``,
-``algo/logprob_gap.py``). The probe is the real-model run's (``tests/test_e2e_real_model.py``,
-``--data.max_len 256``: 255 tokens). Measured here (mean |difference| per token, the largest
-token in brackets): two instances agree bit for bit; a rotary base x4 gives 0.199 (2.49) at
-255 tokens, 0.163 (4.52) at the default 1024; responses sampled at temperature 1.0 and scored
-at 0.6 give 0.17-0.37 (5-8) over about 200 tokens (three seeds). The honest gaps a real
-engine adds (vLLM CPU against the actor, docs/reliability.md: the probe 0.027 at 1024 tokens,
-the run's rollouts 0.0069-0.009) are smaller than either margin. fp16 compute is measured
-by hand only (bf16 against fp16 here: 0.029 (0.28) at 255 tokens; CPU fp16 is slow):
-the engines' comparison names it, the actor's limit cannot (the honest range).
+Stand-in engines are Hugging Face instances of the model (sdpa) in the dtype a CPU run takes on
+this machine (``runtime/cpu_dtype.py``: bf16 with native bf16, else fp32), as the actor runs it;
+the faults below are far larger than either dtype's rounding. What they score is what the guards
+compare (``algo/weight_probe.py``, ``algo/logprob_gap.py``). The probe is the real-model run's
+(``tests/test_e2e_real_model.py``, ``--data.max_len 256``: 255 tokens). Measured here (mean
+|difference| per token, the largest token in brackets): two instances agree bit for bit; a
+rotary base x4 gives 0.199 (2.49) at 255 tokens, 0.163 (4.52) at the default 1024; responses
+sampled at temperature 1.0 and scored at 0.6 give 0.17-0.37 (5-8) over about 200 tokens (three
+seeds). The honest gaps a real engine adds (vLLM CPU against the actor, docs/reliability.md: the
+probe 0.027 at 1024 tokens, the run's rollouts 0.0069-0.009) are smaller than either margin.
+fp16 compute is measured by hand only (bf16 against fp16 here: 0.029 (0.28) at 255 tokens; CPU
+fp16 is slow): the engines' comparison names it, the actor's limit cannot (the honest range).
 """
 
 from __future__ import annotations
@@ -25,19 +26,23 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from drpo_openrlhf.algo.logprob_gap import HONEST_CAP, GapLimit, LogprobGapError, logprob_gap
 from drpo_openrlhf.algo.weight_probe import ActorLimits, compare_probe, probe_token_ids
+from drpo_openrlhf.runtime import cpu_dtype
 
 PROBE = 255  # the real-model run's probe: --data.max_len 256 - 1
 ROPE_FACTOR = 4.0
 # The real-model run's honest rollout gap (largest of 6 runs; test_e2e_real_model.py)
 HONEST_ROLLOUT_GAP = 0.009
 RUN_TEMPERATURE, ENGINE_TEMPERATURE = 0.6, 1.0
+RUN_DTYPE = {"bf16": torch.bfloat16, "fp32": torch.float32}[
+    cpu_dtype.choose("auto", cpu_dtype.read_kernels())[0]
+]
 
 
 def load(model_dir: Path, rope_factor: float = 1.0) -> torch.nn.Module:
     config = AutoConfig.from_pretrained(model_dir)
     config.rope_parameters["rope_theta"] *= rope_factor
     return AutoModelForCausalLM.from_pretrained(
-        model_dir, config=config, dtype=torch.bfloat16, attn_implementation="sdpa"
+        model_dir, config=config, dtype=RUN_DTYPE, attn_implementation="sdpa"
     ).eval()
 
 

@@ -412,3 +412,43 @@ def test_bad_inputs_end_the_run_with_a_clear_error(toy, tmp_path):
         done = run_train(toy, tmp_path / "bad", *flags, ray_address=None)
         assert done.returncode == 2, (flags, done.output[-2000:])
         assert message in done.output, (flags, done.output[-2000:])
+
+
+@pytest.mark.parametrize(
+    ("kernels", "extra", "dtype"),
+    [
+        ("AVX2", [], "fp32"),
+        ("AVX2", ["--ds.param_dtype", "bf16"], "fp32"),  # a recipe's GPU flag: cpu_dtype decides
+        ("AVX2", ["--drpo.cpu_dtype", "bf16"], "bf16"),
+        ("AMX", [], "bf16"),
+        ("AMX", ["--drpo.cpu_dtype", "fp32"], "fp32"),
+    ],
+)
+def test_a_cpu_runs_dtype_reaches_the_actor_args_and_the_engines_env(
+    entry_point, monkeypatch, caplog, kernels, extra, dtype
+):
+    from drpo_openrlhf.runtime import cpu_dtype
+
+    native = kernels == "AMX"
+    found = cpu_dtype.CPUKernels(kernels, bf16_instructions=native, onednn_max_isa=None)
+    monkeypatch.setattr(cpu_dtype, "read_kernels", lambda: found)
+    monkeypatch.setenv(cpu_dtype.ENV, "unset")  # restored after the test
+    with caplog.at_level("WARNING"):
+        train.main([*BASE, *extra])
+    assert entry_point["args"].ds.param_dtype == dtype
+    assert cpu_dtype.engine_dtype() == cpu_dtype.VLLM_DTYPE[dtype]
+    assert f"CPU run in {dtype}: actor, reference and vLLM engines" in caplog.text
+    overridden = "--ds.param_dtype bf16 is a GPU run's; on CPU --drpo.cpu_dtype decides (fp32)"
+    assert (overridden in caplog.text) == ("--ds.param_dtype" in extra)
+
+
+def test_a_cpu_runs_ray_env_carries_the_dtype(monkeypatch):
+    import ray
+
+    from drpo_openrlhf.runtime import cpu_dtype, launch
+
+    started = {}
+    monkeypatch.setattr(ray, "init", lambda **kwargs: started.update(kwargs))
+    monkeypatch.setenv(cpu_dtype.ENV, "fp32")
+    launch.init_cpu_ray({}, address="127.0.0.1:6379")
+    assert started["runtime_env"]["env_vars"][cpu_dtype.ENV] == "fp32"

@@ -101,6 +101,16 @@ def _cpu_target(buffer_init):
     return cpu_buffer_init
 
 
+def _fp32_dtype(convert):
+    """``utils/utils.py: convert_to_torch_dtype`` knows bf16 and fp16; a CPU run without
+    native bf16 asks for fp32 (``runtime/cpu_dtype.py``)."""
+
+    def convert_with_fp32(param_dtype: str) -> torch.dtype:
+        return torch.float32 if param_dtype == "fp32" else convert(param_dtype)
+
+    return convert_with_fp32
+
+
 def _patch_openrlhf() -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -114,6 +124,7 @@ def _patch_openrlhf() -> None:
             "stateless_init_process_group": _stateless_gloo_group,
             "DeepspeedStrategy.get_ds_train_config": _torch_adam,
             "NaiveReplayBuffer.__init__": _cpu_target,
+            "convert_to_torch_dtype": _fp32_dtype,
         },
     )
 

@@ -12,7 +12,7 @@ import runpy
 import sys
 
 from drpo_openrlhf import upstream
-from drpo_openrlhf.runtime import cpu_support
+from drpo_openrlhf.runtime import cpu_dtype, cpu_support
 from drpo_openrlhf.runtime.device import resolve_mode
 from drpo_openrlhf.runtime.openrlhf_cli import TRAIN_MODULE, openrlhf_parser
 from drpo_openrlhf.runtime.options import RunOptions
@@ -53,8 +53,9 @@ def init_cpu_ray(args: dict, address: str | None) -> None:
     ``{"GPU": 1, "CPU": 1}`` bundle per actor rank and per vLLM engine)."""
     import ray
 
+    env = {**RAY_ENV_VARS, cpu_dtype.ENV: os.environ[cpu_dtype.ENV]}
     runtime_env = {
-        "env_vars": {k: os.environ.get(k, v) for k, v in RAY_ENV_VARS.items()},
+        "env_vars": {k: os.environ.get(k, v) for k, v in env.items()},
         "worker_process_setup_hook": CPU_WORKER_SETUP_HOOK,
     }
     if address:
@@ -115,8 +116,16 @@ def run_openrlhf(openrlhf_argv: list[str], run: RunOptions) -> None:
         print(f"python -m drpo_openrlhf.train: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
     upstream.verify()  # before anything starts: every patched symbol is as read
+    param_dtype = None  # a GPU run keeps --ds.param_dtype
     if cpu:
         logger.warning("CPU run: vLLM CPU engines, gloo weight sync (docs/cpu.md)")
+        param_dtype = cpu_dtype.resolve(run.cpu_dtype)  # before Ray: the engines' env has it
+        if "--ds.param_dtype" in openrlhf_argv and args["ds.param_dtype"] != param_dtype:
+            logger.warning(
+                "--ds.param_dtype %s is a GPU run's; on CPU --drpo.cpu_dtype decides (%s)",
+                args["ds.param_dtype"],
+                param_dtype,
+            )
         cpu_support.enable()
         init_cpu_ray(args, cluster.address)
 
@@ -133,6 +142,8 @@ def run_openrlhf(openrlhf_argv: list[str], run: RunOptions) -> None:
             nested = hierarchize(args)
             nested.drpo = run.drpo
             nested.drpo_run = run
+            if param_dtype:  # fp32 is no choice of OpenRLHF's flag, but of its DeepSpeed config
+                nested.ds.param_dtype = param_dtype
             return nested
 
         return hierarchize_with_drpo

@@ -33,6 +33,7 @@ class RunOptions:
     max_steps_without_signal: int  # --drpo.max_steps_without_signal (0: never stop)
     max_logprob_gap: float | None  # --drpo.max_logprob_gap (None: derived from the run)
     device: str  # --drpo.device
+    cpu_dtype: str  # --drpo.cpu_dtype: a CPU run's dtype (runtime/cpu_dtype.py)
     verify_weight_sync: bool  # --drpo.verify_weight_sync
     weight_probe: str  # --drpo.weight_probe
     logprob_chunk_tokens: int  # --drpo.logprob_chunk_tokens (0: unchunked)
@@ -145,6 +146,7 @@ def build_options(args: argparse.Namespace) -> RunOptions:
         max_steps_without_signal=flag(args, "drpo.max_steps_without_signal"),
         max_logprob_gap=flag(args, "drpo.max_logprob_gap"),
         device=flag(args, "drpo.device"),
+        cpu_dtype=flag(args, "drpo.cpu_dtype"),
         verify_weight_sync=flag(args, "drpo.verify_weight_sync"),
         weight_probe=flag(args, "drpo.weight_probe"),
         logprob_chunk_tokens=flag(args, "drpo.logprob_chunk_tokens"),

@@ -26,6 +26,7 @@ from drpo_openrlhf.algo.logprob_gap import GapLimit, gaps_by_engine, pooled_gap
 from drpo_openrlhf.algo.shaper import GroupRewardShaper
 from drpo_openrlhf.rewards.positive_engine import PositiveRewardEngine
 from drpo_openrlhf.rewards.reward_guard import RewardOptionsEngine, guard_engine_rewards
+from drpo_openrlhf.runtime import cpu_dtype
 from drpo_openrlhf.runtime.checkpoints import CompleteCheckpointActor
 from drpo_openrlhf.runtime.cpu_support import CPU_WORKER_EXTENSION
 from drpo_openrlhf.runtime.graceful_stop import (
@@ -385,8 +386,9 @@ class _CPURolloutRayActor(
     SyncReportingEngine,
     vllm_engine.RolloutRayActor.__ray_actor_class__,
 ):
-    """OpenRLHF's vLLM engine actor with the CPU worker extension (``cpu_support``), the
-    reward guard (``reward_guard``) and DRPO's positive reward (``positive_engine``).
+    """OpenRLHF's vLLM engine actor with the CPU worker extension (``cpu_support``), the run's
+    CPU dtype (``cpu_dtype``), the reward guard (``reward_guard``) and DRPO's positive reward
+    (``positive_engine``).
 
     Its one worker runs inside vLLM's engine-core process: vLLM's CPU platform turns
     OpenRLHF's single-process executor into a multiprocess one unless V1 multiprocessing is
@@ -395,6 +397,7 @@ class _CPURolloutRayActor(
     async def __init__(self, *args, **kwargs):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         kwargs["worker_extension_cls"] = CPU_WORKER_EXTENSION
+        kwargs["dtype"] = cpu_dtype.engine_dtype()  # create_vllm_engines says bfloat16
         await super().__init__(*args, **kwargs)
         guard_engine_rewards(self.executor)
 
