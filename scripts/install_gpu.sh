@@ -101,6 +101,10 @@ install_flash_attn() {
 install_rest() {
   step "the rest of requirements.txt, with every pin held (torch, vLLM, flash-attn as installed)"
   run env DS_BUILD_OPS=0 "${PIP[@]}" install -c "$PINS" -r requirements.txt
+  # openrlhf's metadata pulls in the pynvml distribution, a deprecated shim whose import hook
+  # prints a FutureWarning in every process that imports torch. The module `pynvml` comes from
+  # nvidia-ml-py (requirements.txt); the shim's own, pynvml_utils, nothing here imports
+  run "${PIP[@]}" uninstall -y pynvml
 }
 
 install_project() {

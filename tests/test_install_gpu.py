@@ -73,7 +73,8 @@ def test_dry_run_lists_the_steps_in_the_order_that_works_and_runs_nothing(tmp_pa
     assert pip[4].endswith("install --no-build-isolation --no-deps flash-attn==2.8.3")  # ...else
     assert "FLASH_ATTENTION_FORCE_BUILD=TRUE" in pip[4]  # no second, cu12, wheel guess
     assert "DS_BUILD_OPS=0" in pip[5] and "-c " in pip[5] and pip[5].endswith("-r requirements.txt")
-    assert pip[6].endswith("install --no-deps -e .")
+    assert pip[6].endswith("uninstall -y pynvml")  # openrlhf's deprecated shim, which warns
+    assert pip[7].endswith("install --no-deps -e .")
     assert "FusedAdamBuilder" in commands[-2] and commands[-1].endswith("gpu_install.py check")
     assert not (tmp_path / "venv").exists()
 
