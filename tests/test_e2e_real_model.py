@@ -4,9 +4,9 @@ the vLLM CPU engine, as ``tests/test_e2e_pipeline.py`` runs the toy models.
 
 What a toy model cannot show: a real tokenizer and its ChatML template (the default answer
 format decided from it: plain, no ``</think>``), the weight check over 30 layers and tied
-embeddings (272 tensors), the honest rollout log-prob gap of a real model in bf16, and a real
-policy learning. One run does it all: its first update trains normally (the model learns:
-its saved step-1 weights give the right answers a higher log-probability than the base
+embeddings (272 tensors), the honest rollout log-prob gap of a real model in the run's dtype,
+and a real policy learning. One run does it all: its first update trains normally (the model
+learns: its saved step-1 weights give the right answers a higher log-probability than the base
 model), then the second sync loads the tied embedding with its rows reversed
 (``tests/sync_break_site``) and the weight check stops the run naming it.
 
@@ -31,6 +31,7 @@ from test_e2e_pipeline import train_env, wait_for_no_leftovers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from drpo_openrlhf.eval.tensorboard_logs import read_scalars
+from drpo_openrlhf.runtime import cpu_dtype
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -39,14 +40,22 @@ SYSTEM = "Answer with the result in \\boxed{}."
 EXAMPLE = ("What is 2 + 2?", "2 + 2 = \\boxed{4}")
 PAIRS = ((8, 3), (8, 9), (9, 1), (9, 2), (9, 3), (9, 4), (9, 8), (5, 5))
 TIED = "model.embed_tokens.weight"  # also the LM head's weight
-# The honest rollout log-prob gap, bf16 actor against the bf16 vLLM CPU engine, measured on
-# this run's first rollout: 0.0069-0.009 nats per token (6 runs). 0.03 is 3x the largest: a
-# divergence between the two (a kernel, a dtype, RoPE) costs more (docs/cpu.md).
+# The honest rollout log-prob gap, actor against the vLLM CPU engine in the same dtype,
+# measured on this run's first rollout: bf16 0.0069-0.009 nats per token (6 runs), fp32
+# 2.0e-6 (one run). 0.03 is 3x bf16's largest: a divergence between the two (a kernel, a
+# dtype, RoPE) costs more (docs/cpu.md).
 GAP_BOUND = 0.03
 # The mean log-probability of the right answers rose by 0.59-0.64 nats after the one update
-# (3 runs; from -1.34: the base model writes them about a quarter of the time at temperature
-# 1); LEARNED asks for their probability to rise by a factor of 1.2 at least.
+# in bf16 at lr 5e-5 (3 runs; from -1.34: the base model writes them about a quarter of the
+# time at temperature 1), 0.83 in fp32 at lr 1e-5 (one run); LEARNED asks for their
+# probability to rise by a factor of 1.2 at least.
 LEARNED = math.log(1.2)
+# One Adam step moves every weight by about the learning rate, and bf16 weights keep only the
+# moves over half a bf16 step: at lr 5e-5 bf16 kept 6% of them (median relative change 7.7e-5)
+# and fp32 all (2.5e-4, the right answers fell by 0.17-1.30); at 1e-5 fp32 moved 5.0e-5 and
+# bf16 8.4e-6 (+0.05 only). So each dtype gets the rate that gives it the same step
+# (docs/cpu.md, "bf16 or fp32: the CPU decides").
+LR = {"bf16": "5e-5", "fp32": "1e-5"}[cpu_dtype.choose("auto", cpu_dtype.read_kernels())[0]]
 HOLDS = r"holds other values or places than the actor's '([^']+)'"
 
 
@@ -92,7 +101,7 @@ def train_command(model: Path, prompts: Path, out: Path, steps: int) -> list[str
         *("--rollout.max_new_tokens", "64", "--data.max_len", "256"),
         *("--train.batch_size", "32", "--train.micro_batch_size", "8"),
         *("--train.num_episodes", str(steps), "--ds.attn_implementation", "sdpa"),
-        *("--actor.adam.lr", "5e-5", "--drpo.max_steps", str(steps)),
+        *("--actor.adam.lr", LR, "--drpo.max_steps", str(steps)),
         *("--ckpt.path", str(out / "ckpt"), "--ckpt.output_dir", str(out / "model")),
         *("--ckpt.save_steps", "1", "--ckpt.save_hf", "--ckpt.disable_ds"),
         *("--logger.tensorboard_dir", str(out / "tb")),
@@ -156,7 +165,7 @@ def test_smollm2_learns_then_a_reversed_tied_embedding_stops_the_run(
     objective = logged["train/drpo/objective"][1]
     assert math.isfinite(objective) and objective != 0
     gap = logged["train/drpo/rollout_logprob_gap"][1]
-    print(f"honest rollout log-prob gap (bf16): {gap:.4g} nats per token")
+    print(f"honest rollout log-prob gap: {gap:.4g} nats per token")
     assert 0 < gap < GAP_BOUND
     # ... and learned: the right answers are likelier after the update
     base, trained = (right_answer_logprob(m) for m in (smollm2, out / "ckpt" / "global_step1_hf"))
