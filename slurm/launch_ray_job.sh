@@ -2,7 +2,8 @@
 # Shared launcher behind slurm/drpo_*.sh and scripts/train_local_node.sh.
 #
 # Starts a Ray cluster (Slurm: head on the batch node and one worker per other node through
-# srun; local: one head on this machine), waits until every GPU has registered, submits
+# srun; local: one head on this machine; a head that exits before it is ready is started once
+# more, naming why), waits until every GPU has registered, submits
 # `python -m drpo_openrlhf.train ...` with `ray job submit`, streams its logs, and tears
 # the cluster down on exit, failure, SIGTERM/SIGINT, and SIGUSR1 (Slurm's time-limit warning:
 # the job is first asked to save the step it is on and stop, then the launcher requeues it so
@@ -54,8 +55,17 @@ run_node() {
   local -a extra
   read -ra extra <<<"${RAY_START_ARGS:-}"
   if [[ $role == head ]]; then
+    # --include-dashboard=true: every submission goes through the dashboard, so one that does
+    # not start fails the head's start (by default Ray only logs it, and the head would run on
+    # until `ray job submit` found nothing listening). --runtime-env-agent-port: else the
+    # agent picks one, which the head's Ray Client server asks the GCS for; the GCS knows it
+    # once the raylet has registered, which `ray start` starts only after the dashboard is
+    # up, and the client server waits a hard-coded 30 s for it (get_node_with_retry in
+    # ray/_private/services.py), then exits, and `ray start --block` stops the head with it:
+    # a dashboard slower than that took the head down, whatever its own timeout.
     args=(--head --node-ip-address="$address" --port="$RAY_PORT" --dashboard-host="$address"
-      --dashboard-port="$RAY_DASHBOARD_PORT" "${args[@]}")
+      --dashboard-port="$RAY_DASHBOARD_PORT" --include-dashboard=true
+      --runtime-env-agent-port="$RAY_RUNTIME_ENV_AGENT_PORT" "${args[@]}")
   else
     [[ -n ${NET_IFACE:-} ]] && args=(--node-ip-address="$(node_ip)" "${args[@]}")
     args=(--address="$address" "${args[@]}")
@@ -139,6 +149,16 @@ RAY_DASHBOARD_PORT=${RAY_DASHBOARD_PORT:-8265}
 RAY_WAIT_TIMEOUT=${RAY_WAIT_TIMEOUT:-600}
 RAY_POLL_INTERVAL=${RAY_POLL_INTERVAL:-5}
 TEARDOWN_TIMEOUT=${TEARDOWN_TIMEOUT:-30}
+# Ray's own settings for a slow dashboard, with more time than Ray's defaults: each of the
+# dashboard's module processes gets 30 s to start (then the dashboard fails, Ray 2.55's
+# ray/dashboard/consts.py) and `ray start` waits 60 s for the dashboard
+# (ray/_private/ray_constants.py). Under load (a test suite beside the job, a busy login node)
+# the modules took longer: "Module MetricsHead failed to start. Timeout after 30.0 seconds".
+# The second must exceed the first: the dashboard is up once its slowest module is.
+: "${RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT:=120}"
+: "${RAY_DASHBOARD_STARTUP_TIMEOUT_S:=180}"
+# the head's runtime-env agent's port (see run_node); empty: a free one, chosen at each start
+RAY_RUNTIME_ENV_AGENT_PORT=${RAY_RUNTIME_ENV_AGENT_PORT:-}
 # How many times `ray job submit` is tried when Ray's dashboard answers that the head has no
 # job agent yet (see submit_job below); RAY_POLL_INTERVAL apart.
 SUBMIT_ATTEMPTS=${SUBMIT_ATTEMPTS:-10}
@@ -151,11 +171,16 @@ STOP_GRACE_S=${STOP_GRACE_S:-240}
 LAUNCH_MODE=${LAUNCH_MODE:-$([[ -n ${SLURM_JOB_ID:-} ]] && echo slurm || echo local)}
 
 is_positive() { [[ $1 =~ ^[1-9][0-9]*$ ]]; }
-for name in RAY_WAIT_TIMEOUT TEARDOWN_TIMEOUT SUBMIT_ATTEMPTS; do
+for name in RAY_WAIT_TIMEOUT TEARDOWN_TIMEOUT SUBMIT_ATTEMPTS RAY_DASHBOARD_STARTUP_TIMEOUT_S; do
   is_positive "${!name}" || die "$name must be a positive integer, got '${!name}'"
 done
 [[ $STOP_GRACE_S =~ ^[0-9]+$ ]] ||
   die "STOP_GRACE_S must be a whole number of seconds, got '$STOP_GRACE_S'"
+[[ $RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT =~ ^[0-9]+([.][0-9]+)?$ ]] ||
+  die "RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT must be a number of seconds," \
+    "got '$RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT'"
+[[ -z $RAY_RUNTIME_ENV_AGENT_PORT ]] || is_positive "$RAY_RUNTIME_ENV_AGENT_PORT" ||
+  die "RAY_RUNTIME_ENV_AGENT_PORT must be a port number, got '$RAY_RUNTIME_ENV_AGENT_PORT'"
 
 # ---------------------------------------------------------------------------------------------
 # Cluster shape.
@@ -217,6 +242,7 @@ if [[ ${PREFLIGHT:-1} == 1 ]]; then
 fi
 
 export GPUS_PER_NODE RAY_PORT RAY_DASHBOARD_PORT
+export RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT RAY_DASHBOARD_STARTUP_TIMEOUT_S
 export NET_IFACE=${NET_IFACE:-} RAY_START_ARGS=${RAY_START_ARGS:-}
 
 # ---------------------------------------------------------------------------------------------
@@ -233,6 +259,8 @@ submit_err=""   # the current attempt's copy of `ray job submit`'s stderr
 submit_err_fd="" # the pipe to its `tee`, open while an attempt runs
 job_running=0
 torn_down=0
+head_out=$(mktemp "${TMPDIR:-/tmp}/drpo-head.XXXXXX") # a copy of the head step's output
+head_tee=""                                           # the `tee` that writes it
 
 # shellcheck disable=SC2329  # run by the traps below
 teardown() {
@@ -241,6 +269,7 @@ teardown() {
   # a signal during a submission: its tee ends once the submit client does
   [[ -n $submit_err_fd ]] && exec {submit_err_fd}>&-
   [[ -n $submit_err ]] && rm -f -- "$submit_err"
+  rm -f -- "$head_out"
   if ((job_running)); then
     log "stopping Ray job $submission_id"
     timeout 15 ray job stop --no-wait --address "$dashboard" "$submission_id" ||
@@ -338,12 +367,13 @@ registered_gpus() {
     awk '$2 == "GPU" && $1 ~ /\// {split($1, a, "/"); n = a[2] + 0} END {print n + 0}'
 }
 
+# Waits until $1 GPUs have registered; returns 1 as soon as a Ray node has exited.
 wait_for_gpus() {
   local expected=$1 deadline=$((SECONDS + RAY_WAIT_TIMEOUT)) have pid
   log "waiting for $expected GPU(s) to register with Ray at $gcs"
   while :; do
     for pid in "${node_pids[@]}"; do
-      kill -0 "$pid" 2>/dev/null || die "a Ray node exited before the cluster was ready (see above)"
+      kill -0 "$pid" 2>/dev/null || return 1
     done
     have=$(registered_gpus)
     ((have >= expected)) && break
@@ -355,20 +385,75 @@ wait_for_gpus() {
   log "$have GPU(s) registered"
 }
 
+# Starts the head's node step in the background (node_pids[0]: the head comes first, alone).
+# Its output reaches our stderr as it comes (stdout too: `ray start` prints its errors about
+# exited processes there), and a copy is kept in $head_out to say why the head ended if it
+# does: the copy's `tee` ignores the SIGINT/SIGTERM meant for the launcher and Ray (a `tee`
+# gone would leave the node's teardown writing into a closed pipe) and ends when the step's
+# output does. On this node (the batch host under Slurm) a free port is chosen for the head's
+# runtime-env agent, unless RAY_RUNTIME_ENV_AGENT_PORT names one.
+start_head() {
+  local head_out_fd agent_port=$RAY_RUNTIME_ENV_AGENT_PORT
+  [[ -n $agent_port ]] || agent_port=$("$PYTHON" -c 'import socket
+s = socket.socket()
+s.bind(("", 0))
+print(s.getsockname()[1])')
+  : >"$head_out"
+  exec {head_out_fd}> >(trap '' INT TERM && exec tee -- "$head_out" >&2)
+  head_tee=$!
+  if [[ $LAUNCH_MODE == slurm ]]; then
+    RAY_RUNTIME_ENV_AGENT_PORT=$agent_port srun --overlap --nodes=1 --ntasks=1 -w "$head_node" \
+      bash "$self" node head "$head_ip" >&"$head_out_fd" 2>&1 &
+  else
+    RAY_RUNTIME_ENV_AGENT_PORT=$agent_port bash "$self" node head "$head_ip" >&"$head_out_fd" 2>&1 &
+  fi
+  node_pids=("$!")
+  exec {head_out_fd}>&-
+}
+
+# Why the head's `ray start` ended, in one line, from the copy of its output: the dashboard's
+# module that did not start (Ray prints the last lines of dashboard.log), else the Ray
+# processes that exited, else the last line it printed (srun's own lines aside).
+head_exit_cause() {
+  wait_exit 5 "$head_tee"
+  local text found
+  text=$(sed 's/\x1b\[[0-9;]*m//g' -- "$head_out" 2>/dev/null || true)
+  found=$({ grep -oE 'Module [A-Za-z0-9_]+ failed to start\..*' <<<"$text" || true; } | head -n 1)
+  if [[ -n $found ]]; then
+    echo "its dashboard did not start: $found (RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT)"
+    return 0
+  fi
+  if grep -qF 'Failed to start the dashboard' <<<"$text"; then
+    echo "its dashboard did not start within ${RAY_DASHBOARD_STARTUP_TIMEOUT_S}s" \
+      "(RAY_DASHBOARD_STARTUP_TIMEOUT_S)"
+    return 0
+  fi
+  found=$({ grep -oE '[A-Za-z_]+ \[exit code=[^]]*\]' <<<"$text" || true; } | paste -sd, -)
+  if [[ -n $found ]]; then
+    echo "Ray processes exited: ${found//,/, }"
+    return 0
+  fi
+  found=$({ grep -v -e '^[[:space:]]*$' -e '^srun: ' <<<"$text" || true; } | tail -n 1)
+  echo "ray start: ${found:-no output}"
+}
+
 log "mode=$LAUNCH_MODE nodes=$NNODES gpus/node=$GPUS_PER_NODE head=$head_node ($head_ip)" \
   "run=$run_name"
-if [[ $LAUNCH_MODE == slurm ]]; then
-  srun --overlap --nodes=1 --ntasks=1 -w "$head_node" bash "$self" node head "$head_ip" &
-else
-  bash "$self" node head "$head_ip" &
+# A head that exits before its GPUs have registered is started once more (a loaded node may
+# be slower than a dashboard's timeouts once), naming why; a second exit stops the launch.
+start_head
+if ! wait_for_gpus "$GPUS_PER_NODE"; then
+  log "Ray's head exited before its GPUs registered: $(head_exit_cause); starting it again, once"
+  start_head
+  wait_for_gpus "$GPUS_PER_NODE" ||
+    die "Ray's head exited again before its GPUs registered: $(head_exit_cause); its Ray logs" \
+      "on $head_node (session_latest/logs under ${RAY_TMPDIR:-${TMPDIR:-/tmp}}/ray) say more"
 fi
-node_pids+=("$!")
-wait_for_gpus "$GPUS_PER_NODE"
 if ((NNODES > 1)); then
   srun --overlap --nodes="$((NNODES - 1))" --ntasks="$((NNODES - 1))" --ntasks-per-node=1 \
     --exclude="$head_node" bash "$self" node worker "$gcs" &
   node_pids+=("$!")
-  wait_for_gpus "$world"
+  wait_for_gpus "$world" || die "a Ray node exited before the cluster was ready (see above)"
 fi
 
 # Ray's dashboard gives the head node's job agent a hard-coded 10 s to show up

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -330,12 +331,54 @@ def test_wait_times_out_when_a_node_never_registers(harness: Harness) -> None:
     assert_torn_down(run, {"gpu1", "gpu2"})
 
 
-def test_head_that_dies_fails_fast(harness: Harness) -> None:
+def test_head_that_dies_is_started_once_more_then_fails_fast(harness: Harness) -> None:
     run = harness.run(recipe("7b"), FAKE_RAY_START_FAIL="gpu1", RAY_WAIT_TIMEOUT="600")
     assert run.returncode == 1
-    assert "a Ray node exited before the cluster was ready" in run.output
+    assert len(run.of("ray", "start")) == 2
+    assert (
+        "Ray's head exited before its GPUs registered: ray start: fake ray: start failed; "
+        "starting it again, once"
+    ) in run.output
+    assert (
+        "ERROR: Ray's head exited again before its GPUs registered: ray start: fake ray: start "
+        "failed; its Ray logs on gpu1 (session_latest/logs under /tmp/ray) say more"
+    ) in run.output
     assert [c for c in run.of("srun") if "worker" in c["argv"]] == []  # no worker started
     assert run.of("ray", "job", "submit") == []
+
+
+def test_the_heads_dashboard_settings_are_the_users_when_set(harness: Harness) -> None:
+    run = harness.run(
+        recipe("7b"),
+        RAY_RUNTIME_ENV_AGENT_PORT="52366",
+        RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT="300.5",
+        RAY_DASHBOARD_STARTUP_TIMEOUT_S="400",
+    )
+    assert run.returncode == 0, run.output
+    head, worker = run.of("ray", "start")
+    assert "--runtime-env-agent-port=52366" in head["argv"]
+    assert not any(a.startswith("--runtime-env-agent-port") for a in worker["argv"])
+    assert head["env"]["RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT"] == "300.5"
+    assert head["env"]["RAY_DASHBOARD_STARTUP_TIMEOUT_S"] == "400"
+
+
+def test_head_whose_dashboard_did_not_start_is_started_again(harness: Harness) -> None:
+    """The head's first `ray start` fails as Ray's does when a dashboard module did not start
+    in time: the launcher names that cause in one line and starts the head once more; the
+    second comes up and the job runs."""
+    run = harness.run(recipe("7b"), FAKE_RAY_DASHBOARD_FAIL="1")
+    assert run.returncode == 0, run.output
+    assert (
+        "Ray's head exited before its GPUs registered: its dashboard did not start: Module "
+        "MetricsHead failed to start. Timeout after 30.0 seconds. "
+        "(RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT); starting it again, once"
+    ) in run.output
+    heads = [c for c in run.of("ray", "start") if "--head" in c["argv"]]
+    assert [c["node"] for c in heads] == ["gpu1", "gpu1"]
+    (worker,) = [c for c in run.of("ray", "start") if "--head" not in c["argv"]]
+    assert run.index("ray", *heads[1]["argv"]) < run.index("ray", *worker["argv"])
+    assert len(run.of("ray", "job", "submit")) == 1
+    assert_torn_down(run, {"gpu1", "gpu2"})
 
 
 @pytest.mark.parametrize("size", ["1.5b", "7b", "8b"])
@@ -375,6 +418,12 @@ def test_ring_attention_without_packing_is_a_clear_error(harness: Harness) -> No
          "--ds.ring_attn_size x --ds.tensor_parallel_size (3 x 1)"),
         ({"N_SAMPLES": "0"}, "N_SAMPLES must be a positive integer"),
         ({"STOP_GRACE_S": "4m"}, "STOP_GRACE_S must be a whole number of seconds, got '4m'"),
+        ({"RAY_DASHBOARD_STARTUP_TIMEOUT_S": "3m"},
+         "RAY_DASHBOARD_STARTUP_TIMEOUT_S must be a positive integer, got '3m'"),
+        ({"RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT": "2 min"},
+         "RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT must be a number of seconds"),
+        ({"RAY_RUNTIME_ENV_AGENT_PORT": "any"},
+         "RAY_RUNTIME_ENV_AGENT_PORT must be a port number, got 'any'"),
         ({"TRAIN_DATA": "/nope/train.jsonl"}, "TRAIN_DATA=/nope/train.jsonl does not exist"),
         ({"EVAL_DATA": "/nonexistent/aime.jsonl"}, "eval set /nonexistent/aime.jsonl does not"),
         ({"TRAIN_DATA": "org/some-hub-dataset"}, "cannot count the prompts of TRAIN_DATA"),
@@ -417,9 +466,15 @@ def test_local_node(harness: Harness, env: dict[str, str], gpus: int, size: str)
     assert run.returncode == 0, run.output
     assert run.of("srun") == [] and run.of("scontrol") == []
     (head,) = run.of("ray", "start")
+    agent_port = head["argv"][7]  # a free port of this machine, chosen at the start
+    assert re.fullmatch(r"--runtime-env-agent-port=[1-9][0-9]*", agent_port)
     assert head["argv"] == ["start", "--head", "--node-ip-address=127.0.0.1", "--port=6379",
                             "--dashboard-host=127.0.0.1", "--dashboard-port=8265",
-                            f"--num-gpus={gpus}", "--disable-usage-stats", "--block"]  # fmt: skip
+                            "--include-dashboard=true", agent_port, f"--num-gpus={gpus}",
+                            "--disable-usage-stats", "--block"]  # fmt: skip
+    # Ray's own timeouts of the dashboard's start, with the time a loaded node needs
+    assert head["env"]["RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT"] == "120"
+    assert head["env"]["RAY_DASHBOARD_STARTUP_TIMEOUT_S"] == "180"
     assert run.submit[3] == "http://127.0.0.1:8265"
     args = run.args()
     assert args["actor.model_name_or_path"] == RECIPES[size]["model"]

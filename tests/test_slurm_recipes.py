@@ -179,9 +179,12 @@ def test_recipe_runs_under_slurm(jobs: Jobs, size: str, nodes: int, env: dict) -
 
     # The head on the batch node, one worker on the other node, each through its own step.
     starts = run.of("ray", "start")
+    agent_port = starts[0]["argv"][7]  # a free port of the batch host, chosen at the start
+    assert re.fullmatch(r"--runtime-env-agent-port=[1-9][0-9]*", agent_port)
     head = ["start", "--head", "--node-ip-address=127.0.0.1", "--port=6379",
-            "--dashboard-host=127.0.0.1", "--dashboard-port=8265", "--num-gpus=8",
-            "--num-cpus=2", "--disable-usage-stats", "--block"]  # fmt: skip
+            "--dashboard-host=127.0.0.1", "--dashboard-port=8265", "--include-dashboard=true",
+            agent_port, "--num-gpus=8", "--num-cpus=2", "--disable-usage-stats",
+            "--block"]  # fmt: skip
     worker = ["start", "--address=127.0.0.1:6379", "--node-ip-address=127.0.0.1",
               "--num-gpus=8", "--num-cpus=2", "--disable-usage-stats", "--block"]  # fmt: skip
     assert [(c["node"], c["argv"]) for c in starts] == [("n1", head), ("n2", worker)][:nodes]
@@ -404,6 +407,131 @@ def test_loopback_host_name_asks_for_net_iface(jobs: Jobs) -> None:
     assert info["JobState"] == "FAILED"
     assert "set NET_IFACE to the interface the nodes share" in run.output
     assert run.calls == []
+
+
+def slow_dashboard_site(site: Path, seconds: float, slowed: Path) -> Path:
+    """A sitecustomize (in ``site``) under which each module process of Ray's head dashboard
+    (multiprocessing's spawn children of ``ray/dashboard/dashboard.py``) first sleeps
+    ``seconds`` and appends its id to ``slowed``: a dashboard as slow to start as on a loaded
+    node. Every other process starts as usual."""
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import os\n"
+        "import sys\n"
+        "import time\n\n"
+        "def _parent_is_the_dashboard():\n"
+        "    try:\n"
+        "        with open(f'/proc/{os.getppid()}/cmdline', 'rb') as f:\n"
+        "            return b'ray/dashboard/dashboard.py' in f.read()\n"
+        "    except OSError:\n"
+        "        return False\n\n"
+        "if '--multiprocessing-fork' in sys.argv and _parent_is_the_dashboard():\n"
+        f"    with open({str(slowed)!r}, 'a') as f:\n"
+        "        f.write(f'{os.getpid()}\\n')\n"
+        f"    time.sleep({seconds})\n"
+    )
+    return site
+
+
+def launch_log_time(output: str, text: str) -> datetime.datetime:
+    """When the launcher logged the first line holding ``text`` (its ``[launch %F %T]``)."""
+    stamp = re.search(r"\[launch (\S+ \S+)\] [^\n]*" + re.escape(text), output)
+    assert stamp, f"no launcher line with {text!r} in:\n{output}"
+    return datetime.datetime.fromisoformat(stamp[1])
+
+
+def real_ray_launch(
+    cluster: SlurmCluster, data_dir: Path, tmp_path: Path, **extra: str
+) -> tuple[str, dict[str, str], str]:
+    """The 1.5B recipe on real Ray (its own ports), with a stand-in for the training (`PYTHON
+    -m drpo_openrlhf.train` prints a line): waits for the job's end and checks that no job
+    step or process is left. Returns the Slurm job id, its final state and its output."""
+    python = tmp_path / "python"
+    python.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1 $2" = "-m drpo_openrlhf.train" ]; then echo "stand-in training ran"; exit 0; fi\n'
+        f'exec {sys.executable} "$@"\n'
+    )
+    python.chmod(0o755)
+    venv_bin = Path(sys.executable).parent
+    ports = f"--dashboard-agent-listen-port={free_port()} --ray-client-server-port={free_port()}"
+    env = {
+        "PATH": os.pathsep.join([str(venv_bin), cluster.env()["PATH"]]),
+        "PYTHON": str(python),
+        "NET_IFACE": "lo",
+        "PREFLIGHT": "0",
+        "DATA_DIR": str(data_dir),
+        "OUTPUT_ROOT": str(tmp_path / "out"),
+        "RAY_PORT": str(free_port()),
+        "RAY_DASHBOARD_PORT": str(free_port()),
+        # another Ray on this machine may hold the agent's and the client server's defaults
+        "RAY_START_ARGS": ports,
+        "RAY_POLL_INTERVAL": "1",
+        "RAY_WAIT_TIMEOUT": "300",
+    }
+    out = tmp_path / "job.out"
+    submitted = cluster.run(
+        "sbatch", "--parsable", f"--output={out}", str(recipe("1.5b")), **(env | extra)
+    )  # fmt: skip
+    job_id = submitted.stdout.strip().split(";")[0]
+    try:
+        info = cluster.wait_job(job_id, ended, timeout=420)
+    finally:
+        print(out.read_text() if out.exists() else "no job output")  # shown if the test failed
+    assert cluster.steps() == [] and cluster.job_processes() == {}
+    return job_id, info, out.read_text()
+
+
+def test_a_slow_dashboard_start_leaves_the_head_up(
+    cluster: SlurmCluster, data_dir: Path, tmp_path: Path
+) -> None:
+    """Real Ray behind the 1.5B recipe: each of the head dashboard's module processes takes
+    40 s to start, more than Ray gives them by default (30 s, then the dashboard fails) and
+    more than the head's Ray Client server waits for the head's node (30 s, hard-coded). In CI
+    the dashboard was that slow once under the suite's load ("Module MetricsHead failed to
+    start. Timeout after 30.0 seconds") and the head exited. With the launcher's settings the
+    first head stays up, its GPUs register once the dashboard is up, and a job submitted
+    through the dashboard runs."""
+    slowed = tmp_path / "slowed"
+    site = slow_dashboard_site(tmp_path / "site", 40, slowed)
+    job_id, info, output = real_ray_launch(cluster, data_dir, tmp_path, PYTHONPATH=str(site))
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), output
+    assert len(slowed.read_text().split()) >= 5  # the dashboard's modules were held
+    assert "Ray's head exited" not in output  # the first head stayed up
+    waited = launch_log_time(output, "8 GPU(s) registered") - launch_log_time(
+        output, "waiting for 8 GPU(s)"
+    )
+    assert waited.total_seconds() >= 40  # the head's node came once its dashboard had
+    assert "stand-in training ran" in output
+    assert f"job drpo-1.5b_drpo_lam0.1-{job_id}-0 finished" in output
+
+
+def test_a_dashboard_that_never_starts_is_a_clear_stop(
+    cluster: SlurmCluster, data_dir: Path, tmp_path: Path
+) -> None:
+    """Real Ray, with a module timeout no module meets: the head's `ray start` fails on its
+    dashboard; the launcher names Ray's reason in one line, starts the head once more, and
+    after the second failure stops the launch, leaving no Ray process and submitting
+    nothing."""
+    _, info, output = real_ray_launch(
+        cluster,
+        data_dir,
+        tmp_path,
+        RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT="0.001",
+        RAY_DASHBOARD_STARTUP_TIMEOUT_S="12",
+    )
+    assert (info["JobState"], info["ExitCode"]) == ("FAILED", "1:0"), output
+    # Ray's own reason; a dashboard still importing after 12 s (a loaded machine) is the other
+    reason = (
+        r"its dashboard did not start(: Module \w+ failed to start\. Timeout after 0\.001 "
+        r"seconds\. \(RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT\)| within 12s "
+        r"\(RAY_DASHBOARD_STARTUP_TIMEOUT_S\))"
+    )
+    first = rf"Ray's head exited before its GPUs registered: {reason}; starting it again, once"
+    second = rf"ERROR: Ray's head exited again before its GPUs registered: {reason}; its Ray logs"
+    assert re.search(first, output) and re.search(second, output), output
+    assert output.index("starting it again, once") < output.index("exited again")
+    assert "stand-in training ran" not in output and "submitting" not in output
 
 
 def slow_reward(tmp_path: Path, step_times: Path, after_step: int) -> tuple[Path, Path, Path]:

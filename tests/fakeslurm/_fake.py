@@ -15,7 +15,9 @@ resume when the command's --ckpt.path holds a checkpoint, else write one (global
 block; on the launcher's stop request it saves global_step21 and ends, as the trainer does,
 unless FAKE_STOP=ignore: a step that outlasts the launcher's grace),
 FAKE_RAY_START_FAIL / FAKE_RAY_NO_REGISTER (comma-separated nodes whose `ray start` fails /
-never registers), FAKE_GPUS (GPUs `nvidia-smi -L` lists), FAKE_SUBMIT_NO_AGENT=N (the first N
+never registers), FAKE_RAY_DASHBOARD_FAIL=N (the first N `ray start --head` calls fail as
+Ray's does when a dashboard module did not start in time: its output on stderr, exit 1),
+FAKE_GPUS (GPUs `nvidia-smi -L` lists), FAKE_SUBMIT_NO_AGENT=N (the first N
 `ray job submit` calls of each submission id fail as Ray's CLI does when the dashboard finds
 no job agent on the head: its traceback on stderr, exit 1, no job).
 """
@@ -37,6 +39,8 @@ TRACKED_ENV = (
     "NCCL_SOCKET_IFNAME",
     "GLOO_SOCKET_IFNAME",
     "WANDB_API_KEY",
+    "RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT",
+    "RAY_DASHBOARD_STARTUP_TIMEOUT_S",
 )
 IFACE_PREFIX = {"eth0": "192.168.0.", "ib0": "10.10.0."}
 
@@ -174,6 +178,9 @@ def ray(argv: list[str]) -> int:
         if _listed("FAKE_RAY_START_FAIL"):
             print("fake ray: start failed", file=sys.stderr)
             return 1
+        if "--head" in argv and _count(state / "head-starts") < _env_int("FAKE_RAY_DASHBOARD_FAIL"):
+            sys.stderr.write(DASHBOARD_TIMEOUT_OUTPUT)
+            return 1
         gpus = next(a.split("=", 1)[1] for a in argv if a.startswith("--num-gpus="))
         slot = state / f"gpus-{node()}"
         pid_file = state / f"node-{os.getpid()}"  # lets the tests kill leftovers by id
@@ -239,14 +246,45 @@ try again later..
 """
 
 
+# What `ray start --head --include-dashboard=true` (Ray 2.55) prints on stderr when one of the
+# dashboard's modules did not start within RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT:
+# ray/_private/services.py's error lines, then its exception with the last lines of
+# dashboard.log, which hold the dashboard's own error (cut here).
+DASHBOARD_TIMEOUT_OUTPUT = """\
+2026-11-30 21:14:03,512\tERROR services.py:1405 -- Failed to start the dashboard
+2026-11-30 21:14:03,513\tERROR services.py:1430 -- Error should be written to 'dashboard.log' \
+or 'dashboard.err'. We are printing the last 20 lines for you.
+Traceback (most recent call last):
+  File "ray/_private/services.py", line 1460, in start_api_server
+    raise Exception(last_log_str)
+Exception:
+The last 20 lines of /tmp/ray/session_2026-11-30_21-13-31_004211_811/logs/dashboard.log (it \
+contains the error message from the dashboard):
+2026-11-30 21:14:02,377\tERROR dashboard.py:326 -- The dashboard on node n1 failed with the \
+following error:
+Traceback (most recent call last):
+  File "ray/dashboard/subprocesses/handle.py", line 153, in wait_for_module_ready
+    raise RuntimeError(
+RuntimeError: Module MetricsHead failed to start. Timeout after 30.0 seconds.
+"""
+
+
+def _env_int(var: str) -> int:
+    return int(os.environ.get(var, "0"))
+
+
+def _count(calls: Path) -> int:
+    """How many times this was counted before (a file in $FAKE_STATE), counting this call."""
+    n = int(calls.read_text()) if calls.exists() else 0
+    calls.write_text(str(n + 1))
+    return n
+
+
 def _no_agent(argv: list[str], state: Path) -> bool:
     """Answer this submission as Ray does without a job agent (FAKE_SUBMIT_NO_AGENT times per
     submission id); counts the calls per id in $FAKE_STATE."""
     submission_id = argv[argv.index("--submission-id") + 1]
-    calls = state / f"submits-{submission_id}"
-    n = int(calls.read_text()) if calls.exists() else 0
-    calls.write_text(str(n + 1))
-    if n >= int(os.environ.get("FAKE_SUBMIT_NO_AGENT", "0")):
+    if _count(state / f"submits-{submission_id}") >= _env_int("FAKE_SUBMIT_NO_AGENT"):
         return False
     sys.stderr.write(NO_AGENT_TRACEBACK)
     return True
