@@ -121,6 +121,9 @@ class HFBackend:
             num_return_sequences=sampling.n if do_sample else 1,
             eos_token_id=self.eos_ids,
             pad_token_id=self.pad_id,
+            # a checkpoint OpenRLHF's trainer saved says use_cache false (its packed training
+            # needs it off), which would recompute every prefix: 10x the time on the demo's
+            use_cache=True,
         )
         output = self.model.generate(
             input_ids=input_ids.to(self.device),
