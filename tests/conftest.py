@@ -25,6 +25,7 @@ os.environ.setdefault("RAY_worker_niceness", "0")
 # between the two recompiled it (25-50 s of both cores inside a pipeline run; issue 36)
 os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])
 
+import time_bounds
 import toy_base
 from drpo_actor_harness import FIXTURE as SHARED_RANKS_FIXTURE
 from drpo_actor_harness import SHARED_RANKS_MODULES
@@ -35,6 +36,16 @@ install_stand_ins()
 # priority beside the pipeline's, and a starved example is slow, not wrong
 settings.register_profile("suite", deadline=None)
 settings.load_profile("suite")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The time scale of this process's bounds (``tests/time_bounds.py``), measured before
+    any test loads the machine."""
+    time_bounds.calibration()
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"time bounds: {time_bounds.calibration().describe()}"
 
 
 # ``make test`` runs two pytest workers (``-n 2 --dist loadscope``, scheduled by the groups
@@ -49,6 +60,7 @@ PIPELINE_MODULES = frozenset(
     {  # every module with a test marked e2e or a local Ray cluster (both checked at
         # collection) but the Slurm ones
         "test_e2e_pipeline.py",
+        "test_e2e_interrupt.py",
         "test_e2e_positive_reward.py",
         "test_e2e_real_model.py",
         "test_faults.py",
@@ -116,8 +128,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             raise pytest.UsageError(f"{name} starts a Ray cluster: add it to PIPELINE_MODULES")
         if SHARED_RANKS_FIXTURE in item.fixturenames and name not in SHARED_RANKS_MODULES:
             raise pytest.UsageError(f"{name} shares the ranks: add it to SHARED_RANKS_MODULES")
+    _scale_timeouts(config, items)
     if hasattr(config, "workerinput"):
         items.sort(key=_start_order)  # stable
+
+
+def _scale_timeouts(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """pytest-timeout's limit of each test (pyproject.toml's, or a module's mark) stretched by
+    the time scale, as the bounds inside the tests are; one given by ``--timeout`` or
+    ``PYTEST_TIMEOUT`` is the user's, and kept."""
+    if config.getoption("timeout", None) is not None or os.environ.get("PYTEST_TIMEOUT"):
+        return
+    default = float(config.getini("timeout") or 0)
+    for item in items:
+        marker = item.get_closest_marker("timeout")
+        args, kwargs = (marker.args, dict(marker.kwargs)) if marker else ((), {})
+        seconds = float(kwargs.pop("timeout", args[0] if args else default))
+        if seconds > 0:
+            mark = pytest.mark.timeout(time_bounds.scaled(seconds), *args[1:], **kwargs)
+            item.add_marker(mark, append=False)  # the closest: pytest-timeout reads it
 
 
 def _start_order(item: pytest.Item) -> int:
