@@ -24,6 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from time_bounds import scaled
+
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 FIXTURE = TESTS / "fixtures" / "launcher_commands.json"
@@ -247,7 +249,7 @@ def launch(tree: Path, tmp: Path, case: dict) -> dict:
         cwd=tmp / "cwd",
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=scaled(120),  # a hang guard: the slowest case 1.2 s (2 cores at load 4-7)
     )
     output = result.stdout + result.stderr
     record: dict = {"exit": result.returncode}

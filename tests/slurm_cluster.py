@@ -25,6 +25,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from time_bounds import calibration, scaled
+
 PACKAGES = ("slurm-wlm", "munge")
 PROGRAMS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol")
 NODES = ("n1", "n2")
@@ -32,6 +34,11 @@ GPUS_PER_NODE = 8
 CPUS_PER_NODE = 2
 POLICY_RC_D = Path("/usr/sbin/policy-rc.d")
 PR_SET_PDEATHSIG = 1
+# Hang guards, in seconds on the reference machine (each stretched by the time scale): the
+# daemons' start until every node is idle, one Slurm command, a job's wait by default, the
+# stop's wait for the queue to empty and for each daemon to exit. The daemons were idle
+# 0.3 s after their start (2 cores at load 2-5); a Slurm command takes well under a second.
+START_S, COMMAND_S, JOB_S, QUEUE_EMPTY_S, DAEMON_EXIT_S = 60, 60, 90, 20, 10
 
 
 def missing_reason() -> str | None:
@@ -177,8 +184,9 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
             )
         self.daemons.append(proc)
 
-    def start(self, timeout: float = 60) -> float:
-        """Start munged, slurmctld and the slurmds; wait until every node is idle."""
+    def start(self, timeout: float = START_S) -> float:
+        """Start munged, slurmctld and the slurmds; wait until every node is idle (each wait
+        ``timeout``, stretched by the time scale)."""
         started = time.monotonic()
         self.write_config()
         key = self.dir / "munge.key"
@@ -201,13 +209,15 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         return all(states.get(n) == "idle" for n in NODES)
 
     def _wait(self, ready, timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
+        bound_s = scaled(timeout)
+        deadline = time.monotonic() + bound_s
         while not ready():
             for proc in self.daemons:
                 if proc.poll() is not None:
                     raise RuntimeError(f"{proc.args[0]} exited ({proc.returncode})\n{self.logs()}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{what} within {timeout:.0f} s\n{self.logs()}")
+                made_of = f"{timeout:g} s x {calibration().describe()}"
+                raise RuntimeError(f"{what} within {bound_s:.0f} s ({made_of})\n{self.logs()}")
             time.sleep(0.1)
 
     def logs(self) -> str:
@@ -218,7 +228,7 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 
     def run(self, *argv: str, check: bool = True, **extra: str) -> subprocess.CompletedProcess:
         result = subprocess.run(
-            argv, env=self.env(**extra), capture_output=True, text=True, timeout=60
+            argv, env=self.env(**extra), capture_output=True, text=True, timeout=scaled(COMMAND_S)
         )
         if check and result.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)}: {result.stdout}{result.stderr}")
@@ -234,11 +244,19 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         out = self.run("squeue", "-h", "-s", "-o", "%i").stdout
         return [s for s in out.split() if not s.endswith((".batch", ".extern"))]
 
-    def wait_job(self, job_id: str, done, timeout: float = 90) -> dict[str, str]:
-        deadline = time.monotonic() + timeout
+    def wait_job(self, job_id: str, done, timeout: float | None = None) -> dict[str, str]:
+        """The job's info once ``done(info)``. A ``timeout`` given is kept as it is (a
+        caller's bound may be what it tests: a stop before a held generation ends); the
+        default, a hang guard, is ``JOB_S`` stretched by the time scale."""
+        bound_s = scaled(JOB_S) if timeout is None else timeout
+        made_of = f"{JOB_S} s x {calibration().describe()}" if timeout is None else "as given"
+        started = time.monotonic()
         while not done(info := self.job(job_id)):
-            if time.monotonic() > deadline:
-                raise AssertionError(f"job {job_id} stuck in {info}\n{self.logs()}")
+            if (waited := time.monotonic() - started) > bound_s:
+                raise AssertionError(
+                    f"job {job_id} stuck for {waited:.0f} s, over its bound of {bound_s:.0f} s"
+                    f" ({made_of}), in {info}\n{self.logs()}"
+                )
             time.sleep(0.2)
         return info
 
@@ -279,7 +297,7 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         """Cancel every job, stop the daemons, kill what is left; returns the ids killed last."""
         if self.daemons and all(p.poll() is None for p in self.daemons):
             self.run("scancel", "--partition=debug", check=False)
-            deadline = time.monotonic() + 20
+            deadline = time.monotonic() + scaled(QUEUE_EMPTY_S)
             while time.monotonic() < deadline:
                 if not self.run("squeue", "-h", "-o", "%i", check=False).stdout.strip():
                     break
@@ -287,7 +305,7 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         for proc in reversed(self.daemons):  # slurmds, slurmctld, munged last
             proc.terminate()
             try:
-                proc.wait(timeout=10)
+                proc.wait(timeout=scaled(DAEMON_EXIT_S))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()

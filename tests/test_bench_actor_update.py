@@ -12,6 +12,7 @@ from unittest import mock
 
 import pytest
 import torch
+from time_bounds import scaled
 
 from drpo_openrlhf.testing import openrlhf_share
 
@@ -31,7 +32,7 @@ def bench(tmp_path: Path, *flags: str) -> dict:
         [sys.executable, str(BENCH), *TINY, *flags, "--json", str(out)],
         check=True,
         capture_output=True,
-        timeout=600,
+        timeout=scaled(600),  # a hang guard: the module's 6 benches took 86 s in a CI run
     )
     return json.loads(out.read_text())
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from time_bounds import scaled
 
 REPO = Path(__file__).resolve().parents[1]
 PYNVML_WARNING = "The pynvml package is deprecated"
@@ -23,8 +24,15 @@ ACCELERATOR_WARNING = "Setting accelerator to CPU"
 def venv_python(*args: str) -> subprocess.CompletedProcess[str]:
     """The venv's python in a fresh process: no DS_ACCELERATOR or warning filter inherited."""
     env = {k: v for k, v in os.environ.items() if k not in ("DS_ACCELERATOR", "PYTHONWARNINGS")}
+    # a hang guard: 12 s measured for the slowest test's processes (importing torch and
+    # DeepSpeed; 2 cores at load 4-7), 300 s is 25x that
     return subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, env=env, cwd=REPO, timeout=300
+        [sys.executable, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=scaled(300),
     )
 
 

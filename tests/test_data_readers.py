@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import time
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from time_bounds import within
 
 from drpo_openrlhf.data.readers import HubRef, SourceError, read_hub, read_local
 
@@ -131,7 +131,9 @@ def test_hub_failure_says_how_to_use_local_files(monkeypatch):
 
 @pytest.mark.skipif(os.environ.get("HF_HUB_OFFLINE") != "1", reason="needs HF_HUB_OFFLINE=1")
 def test_real_offline_hub_failure_is_fast_and_explained():
-    start = time.monotonic()
-    with pytest.raises(SourceError, match="--input minerva=PATH"):
+    # wall time, as a wait on the network is what it rules out: 0.001 s measured in the suite,
+    # 1.1-1.9 s in a fresh process that imports datasets first (2 cores at load 6-7); 30 s
+    # is 16x the latter
+    failing = pytest.raises(SourceError, match="--input minerva=PATH")
+    with within(30, "an offline Hub's failure"), failing:
         list(read_hub(HubRef("drpo-openrlhf-tests/no-such-dataset", None, ("test",)), "minerva"))
-    assert time.monotonic() - start < 30

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from time_bounds import scaled
 
 from drpo_openrlhf.runtime.device import ClusterDevices, DeviceError, choose_mode
 from drpo_openrlhf.tiny_model import build_tiny_model
@@ -52,9 +53,11 @@ def test_contradictions_are_errors(requested, found, says):
         choose_mode(requested, found)
 
 
+# Hang guards: the probe's process took 5 s, the refused run's 8 s (2 cores at load 2-3), so
+# 180 s is over 20x; the probe's own limit inside the process is below the process's
 PROBE = (
     "import dataclasses, json; from drpo_openrlhf.runtime.device import probe_cluster; "
-    "print(json.dumps(dataclasses.asdict(probe_cluster(timeout_s=60))))"
+    f"print(json.dumps(dataclasses.asdict(probe_cluster(timeout_s={scaled(60)}))))"
 )
 
 
@@ -69,7 +72,7 @@ def test_probe_asks_a_process_holding_a_gpu(fake_gpu_ray):
         env=_env(fake_gpu_ray),
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=scaled(180),
     )
     assert done.returncode == 0, done.stderr[-2000:]
     found = ClusterDevices(**json.loads(done.stdout.strip().splitlines()[-1]))
@@ -95,7 +98,7 @@ def test_gpu_requested_of_fake_gpus_stops_before_anything_starts(fake_gpu_ray, t
         *("--drpo.device", "gpu"),
     ]
     done = subprocess.run(
-        command, env=_env(fake_gpu_ray), capture_output=True, text=True, timeout=180
+        command, env=_env(fake_gpu_ray), capture_output=True, text=True, timeout=scaled(180)
     )
     assert done.returncode == 2, done.stderr[-3000:]
     assert "--drpo.device gpu, but a process holding one of the cluster's 2 GPUs" in done.stderr

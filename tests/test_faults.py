@@ -33,6 +33,7 @@ from test_e2e_pipeline import (
     train_env,
     wait_for_no_leftovers,
 )
+from time_bounds import Deadline, calibration, scaled
 
 from drpo_openrlhf.demo.training import local_ray_cluster
 from drpo_openrlhf.eval.tensorboard_logs import read_scalars
@@ -40,11 +41,20 @@ from drpo_openrlhf.eval.tensorboard_logs import read_scalars
 pytestmark = [pytest.mark.faults, pytest.mark.e2e, pytest.mark.slow]
 
 SITE = Path(__file__).parent / "fault_site"
-REWARD_TIMEOUT_S = 20  # the guard's limit in these runs (DRPO_REWARD_CALL_TIMEOUT_S)
+# the guard's limit in these runs (DRPO_REWARD_CALL_TIMEOUT_S), a deadline under test: not
+# stretched (a call grades one response: milliseconds once the graders are up)
+REWARD_TIMEOUT_S = 20
 STOP = "drpo_openrlhf: the run stopped: "
 # the driver's and the actor's start-up: 101 s measured at a load average of 10 on 2 cores;
-# before the fix the run waited 10 minutes past that (the weight-sync group's timeout)
+# before the fix the run waited 10 minutes past that (the weight-sync group's timeout). The
+# bound stretches with the time scale to 600 s at most: a run that waits for that group's
+# timeout takes its start-up longer than that, on any machine, and still fails
 ENGINE_START_BOUND_S = 300
+SYNC_GROUP_TIMEOUT_S = 600
+# Hang guards of a run, in seconds on the reference machine (stretched by the time scale): a
+# start-up and its first step, 101 s measured at a load average of 10; a run to its end, each
+# fault test 90-220 s beside two busy loops on 2 cores
+FIRST_STEP_S, RUN_END_S = 420, 600
 
 
 @pytest.fixture(scope="module")
@@ -100,21 +110,24 @@ class Run:
         )
         self.started = time.monotonic()
 
-    def wait_until(self, condition, timeout: float = 420) -> None:
-        deadline = time.monotonic() + timeout
+    def wait_until(self, condition, timeout: float = FIRST_STEP_S) -> None:
+        """Until ``condition()``; ``timeout`` is stretched by the time scale."""
+        deadline = Deadline(timeout, "the run's awaited state")
         while not condition():
             assert self.proc.poll() is None, f"the run ended first:\n{self.output[-3000:]}"
-            assert time.monotonic() < deadline, f"timed out:\n{self.output[-3000:]}"
+            deadline.check(self.output[-3000:])
             time.sleep(0.2)
 
-    def finish(self, timeout: float) -> tuple[int, float]:
-        """Exit code and seconds from now until the run ended; no process of it is left."""
-        start = time.monotonic()
+    def finish(self, timeout: float, most_s: float = math.inf) -> tuple[int, float]:
+        """Exit code and seconds from now until the run ended; no process of it is left.
+        ``timeout`` is stretched by the time scale, to ``most_s`` at most."""
+        start, bound_s = time.monotonic(), min(scaled(timeout), most_s)
         try:
-            code = self.proc.wait(timeout=timeout)
+            code = self.proc.wait(timeout=bound_s)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            pytest.fail(f"no stop within {timeout} s:\n{self.output[-3000:]}")
+            made_of = f"{timeout:g} s x {calibration().describe()}, at most {most_s:g} s"
+            pytest.fail(f"no stop within {bound_s:.0f} s ({made_of}):\n{self.output[-3000:]}")
         took = time.monotonic() - start
         self.log.close()
         wait_for_no_leftovers()
@@ -145,7 +158,7 @@ def run_to_end(
     run = Run(toy, out, *flags, ray_address=ray_address, steps=steps)
     if fault is not None:
         run.wait_until(lambda: fault in run.output)
-    code, took = run.finish(timeout=600)
+    code, took = run.finish(timeout=RUN_END_S)
     if fault is not None:
         print(f"TIME {out.name}: ended {took:.1f} s after {fault!r}")
     return code, run.output
@@ -184,7 +197,7 @@ def test_vllm_engine_killed_during_a_rollout(toy, ray_address, inject, tmp_path)
     assert engines
     for pid in engines:
         os.kill(pid, signal.SIGKILL)
-    code, took = run.finish(timeout=120)
+    code, took = run.finish(timeout=120)  # the stop came 4.1 s after the kill; a hang guard
     assert code == 1
     assert_stopped_at_checkpoint(run.output, tmp_path, 1, "a vLLM engine process died")
     print(f"TIME engine killed: ended {took:.1f} s after the kill")
@@ -268,7 +281,7 @@ def test_grader_workers_replaced_then_actor_killed_in_an_optimizer_step(
             os.kill(stopped, signal.SIGKILL)
     inject(fault="kill_actor", step=1)  # the actor's next optimizer step
     run.wait_until(lambda: "FAULT:" in run.output)
-    code, took = run.finish(timeout=600)
+    code, took = run.finish(timeout=RUN_END_S)
     print(f"TIME actor killed: ended {took:.1f} s after 'FAULT:'")
     assert code == 1 and "FAULT: actor killed" in run.output
     # the killed step logs nothing; every step before it was saved before the next began
@@ -284,7 +297,7 @@ def test_an_engine_that_fails_to_start_stops_the_run(toy, ray_address, inject, t
     error in its stop line, and no process is left."""
     inject(fault="engine_start", step=1)
     run = Run(toy, tmp_path, ray_address=ray_address, steps=1)
-    code, took = run.finish(timeout=ENGINE_START_BOUND_S)
+    code, took = run.finish(timeout=ENGINE_START_BOUND_S, most_s=SYNC_GROUP_TIMEOUT_S)
     assert code == 1, run.output[-3000:]
     # the driver's stop line; Ray may still echo a worker's log line after it
     line = stop_line(run.output)
@@ -398,7 +411,7 @@ def kill_all(run: Run, driver_signal: int) -> None:
     run.proc.send_signal(driver_signal)
     if driver_signal != signal.SIGKILL:
         with contextlib.suppress(subprocess.TimeoutExpired):
-            run.proc.wait(timeout=5)
+            run.proc.wait(timeout=5)  # Slurm's grace, part of the fault: not stretched
     for pid in [run.proc.pid, *run_pids()]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -427,7 +440,7 @@ def test_job_killed_then_preempted_while_a_checkpoint_is_written_resumes_from_th
             )
         )
         kill_all(run, driver_signal)
-        _, took = run.finish(timeout=60)
+        _, took = run.finish(timeout=60)  # everything was SIGKILLed: a hang guard
         print(f"TIME {driver_signal.name}: every process gone {took:.1f} s after the kill")
         assert not (ckpt / f"global_step{step}" / "drpo_complete.json").exists()
         if resume:

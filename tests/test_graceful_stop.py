@@ -17,6 +17,7 @@ from openrlhf.trainer import ppo_trainer
 from openrlhf.trainer.ppo_utils import samples_generator
 from openrlhf.utils.config import hierarchize
 from ray.exceptions import TaskCancelledError
+from time_bounds import Deadline, assert_within
 
 from drpo_openrlhf.algo.logprob_gap import GapLimit
 from drpo_openrlhf.runtime import ray_actors
@@ -199,12 +200,21 @@ class Engines:
         self.calls: list[str] = []
 
 
+# A request 0.3 s into a generation cancels it within the watcher's poll (0.05 s): 0.31 s in
+# all measured (2 cores at load 6-7), and with a 4 s poll 4.0 s, over the bound; the 2 s of
+# slack past the request are 40 polls, stretched by the time scale. The stand-in holds its
+# requests past that bound (5 s at scale 1, stretched too): a cancel that never comes fails
+# on the hold, saying so.
+REQUEST_AFTER_S, CANCEL_SLACK_S, HOLD_S = 0.3, 2.0, 5.0
+
+
 @pytest.fixture
 def generator(tmp_path, monkeypatch):
     """``StoppableSamplesGenerator`` over a stand-in of OpenRLHF's generation: it sends two
     requests and waits for them as ``_generate_vllm`` does, failing with Ray's
-    ``TaskCancelledError`` on a cancelled one; ``hold`` keeps them unfinished (5 s); ``late`` makes
-    the request file appear as they finish (before the watcher's next look)."""
+    ``TaskCancelledError`` on a cancelled one; ``hold`` keeps them unfinished (``HOLD_S``, then
+    it fails); ``late`` makes the request file appear as they finish (before the watcher's next
+    look)."""
     engines, hold, late = Engines(), threading.Event(), threading.Event()
 
     def dispatch(self, prompts, labels, **kwargs):
@@ -212,11 +222,13 @@ def generator(tmp_path, monkeypatch):
 
     def generate_samples(self, **kwargs):
         refs = self._dispatch_prompts_to_vllm(["p"], ["l"])
-        held_until = time.monotonic() + 5.0
-        while hold.is_set() and time.monotonic() < held_until:
+        held = Deadline(HOLD_S, "requests held unfinished and never cancelled")
+        while hold.is_set() and not held.expired():
             if engines.cancelled & set(refs):
                 raise TaskCancelledError()
             time.sleep(0.01)
+        if hold.is_set():
+            held.check()
         if late.is_set():
             (tmp_path / STOP_FILE).touch()
         return ["rollout"], None, 1, False
@@ -239,12 +251,13 @@ def generator(tmp_path, monkeypatch):
 
 def test_a_request_during_generation_cancels_it_within_the_poll(generator):
     generator.hold.set()
-    timer = threading.Timer(0.3, generator.request.touch)
+    timer = threading.Timer(REQUEST_AFTER_S, generator.request.touch)
     timer.start()
     started = time.monotonic()
     with pytest.raises(StopBeforeUpdate):
         generator.g.generate_samples()
-    assert time.monotonic() - started < 0.3 + 2.0  # the poll is 0.05 s; generous for load
+    elapsed = time.monotonic() - started
+    assert_within(elapsed, CANCEL_SLACK_S, "a request's cancel", fixed_s=REQUEST_AFTER_S)
     assert generator.engines.cancelled == {0, 1}
     assert generator.engines.calls == ["sleep"]  # as after any generation (sleep mode)
 

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from time_bounds import scaled
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -95,7 +96,7 @@ def import_failures(root: Path, targets: list[str]) -> dict[str, str]:
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=scaled(600),  # a hang guard: every module in 19 s (2 cores at load 3-6)
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])

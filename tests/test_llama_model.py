@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_tiny_model import TEXTS  # the same awkward texts for both tokenizers
+from time_bounds import scaled
 from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -151,7 +152,7 @@ def test_vllm_llama_holds_every_sent_tensor_in_its_place(tmp_path: Path) -> None
         [sys.executable, str(Path(__file__).with_name("llama_sync_layout.py")), str(llama)],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=scaled(600),  # a hang guard: 14 s measured (2 cores at load 3-6)
     )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])

@@ -9,6 +9,7 @@ import sys
 import textwrap
 
 import pytest
+from time_bounds import scaled
 
 PROLOGUE = """
 import atexit, sys, threading, time
@@ -29,7 +30,8 @@ def run(body: str) -> subprocess.CompletedProcess:
     script = PROLOGUE + textwrap.dedent(body)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # buffered stdout
     command = [sys.executable, "-c", script]
-    return subprocess.run(command, capture_output=True, text=True, timeout=60, env=env)
+    # a hang guard: the slowest test's process (a 0.5 s sleep) 0.6 s (2 cores at load 4-7)
+    return subprocess.run(command, capture_output=True, text=True, timeout=scaled(60), env=env)
 
 
 @pytest.mark.parametrize(("code", "status"), [(0, 0), (None, 0), (3, 3), ("bad flag", 1)])

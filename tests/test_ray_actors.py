@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import ray
+from time_bounds import scaled
 
 
 @pytest.mark.slow
@@ -61,7 +62,7 @@ ray.init(address=sys.argv[1], runtime_env=json.loads(sys.argv[2]), log_to_driver
 probe = Probe.remote()
 pid = ray.get(probe.pid.remote())
 probe.__ray_terminate__.remote()
-deadline = time.monotonic() + 120
+deadline = time.monotonic() + float(sys.argv[3])
 while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
     time.sleep(0.1)
 print(pid)
@@ -77,15 +78,18 @@ def actor_exit_marks(address: str, tmp_path, hook: str | None) -> set[str]:
     pythonpath = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
     env = {"PYTHONPATH": pythonpath, "EXIT_MARKS": str(marks)}
     runtime_env = {"env_vars": env} | ({"worker_process_setup_hook": hook} if hook else {})
+    # hang guards: the driver's wait for its actor's end, then its own; the test's two
+    # drivers took 15 s together (2 cores at load 2-3)
+    ending_s = scaled(120)
     done = subprocess.run(
-        [sys.executable, "-c", DRIVER, address, json.dumps(runtime_env)],
+        [sys.executable, "-c", DRIVER, address, json.dumps(runtime_env), str(ending_s)],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=scaled(300),
     )
     assert done.returncode == 0, done.stderr[-3000:]
     pid = int(done.stdout.split()[-1])
-    assert not Path(f"/proc/{pid}").exists(), "the actor did not end within 2 minutes"
+    assert not Path(f"/proc/{pid}").exists(), f"the actor did not end within {ending_s:.0f} s"
     return {m.name.rsplit("-", 1)[0] for m in marks.iterdir() if m.name.endswith(f"-{pid}")}
 
 

@@ -1,6 +1,7 @@
 """Answer extraction for the rewards: response cutting, </think>, \\boxed, labels."""
 
 import pytest
+from time_bounds import within
 
 from drpo_openrlhf.rewards.answer_extraction import (
     MAX_FINAL_BOXES,
@@ -164,9 +165,8 @@ def test_split_query_prompt_not_found():
 
 
 def test_last_boxed_many_unclosed_boxes_is_fast():
-    import time
-
-    start = time.monotonic()
-    assert last_boxed("\\boxed{1}" + "\\boxed{" * 200_000) == "1"
-    assert last_boxed("\\boxed{a \\boxedfoo b}") == "a \\boxedfoo b"
-    assert time.monotonic() - start < 5
+    # CPU time: 0.23-0.35 s measured (2 cores at load 6-7; AVX2-held kernels alike); 5 s is
+    # 14x that, and a rescan from each unclosed box (about 10^11 characters) takes minutes
+    with within(5, "last_boxed over 200,000 unclosed boxes", cpu=True):
+        assert last_boxed("\\boxed{1}" + "\\boxed{" * 200_000) == "1"
+        assert last_boxed("\\boxed{a \\boxedfoo b}") == "a \\boxedfoo b"

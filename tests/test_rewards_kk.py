@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
+from time_bounds import within
 
 from drpo_openrlhf.rewards.kk_reward import (
     KK_REASONS,
@@ -150,9 +150,10 @@ def test_batch_garbage_and_speed():
     huge = "</think>" + "Ella Zoey knight knave " * 200_000 + SOLUTION_TEXT
     responses = [None, b"</think>" + SOLUTION_TEXT.encode(), 42, huge, "</think>" + SOLUTION_TEXT]
     labels = [SOLUTION_TEXT_FORMAT] * 4 + [object()]
-    start = time.monotonic()
-    results = grade_kk_responses(responses, labels)
-    assert time.monotonic() - start < 10
+    # CPU time: 0.01 s measured (2 cores at load 6-7; AVX2-held kernels alike); 10 s leaves
+    # room for any linear scan of the 4.6 MB answer, none for a quadratic one
+    with within(10, "grading a batch with a 4.6 MB answer", cpu=True):
+        results = grade_kk_responses(responses, labels)
     assert all(r.reason in KK_REASONS for r in results)
     assert [r.correct for r in results] == [False, True, False, True, False]
     with pytest.raises(ValueError):

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 from launch_checks import FAKE_BIN, REPO
 from slurm_cluster import SlurmCluster, module_cluster
+from time_bounds import Deadline, scaled
 
 from drpo_openrlhf.tiny_model import build_tiny_model
 
@@ -119,10 +120,13 @@ def test_sweep_submits_one_job_array_whose_tasks_requeue_and_resume(
         RAY_WAIT_TIMEOUT="60",
     )
 
+    # Hang guards, stretched by the time scale: the whole test took about 30 s in CI runs,
+    # 69-112 s on a 2-core AMX machine at load 2-5 (a sweep command 4-6 s, the task's start
+    # 10 s, the array's end after the requeue 35 s)
     def drpo_sweep(*argv: str) -> str:
         result = subprocess.run(
             [sys.executable, "-m", "drpo_openrlhf.sweep", *argv],
-            env=env, cwd=REPO, capture_output=True, text=True, timeout=300,
+            env=env, cwd=REPO, capture_output=True, text=True, timeout=scaled(300),
         )  # fmt: skip
         assert result.returncode == 0, result.stdout + result.stderr
         return result.stdout
@@ -134,18 +138,20 @@ def test_sweep_submits_one_job_array_whose_tasks_requeue_and_resume(
     assert info["ArrayTaskThrottle"] == "2" and info["JobName"] == "arr"
 
     # The DRPO run (task 1) is training: the time-limit warning, as --signal=B:USR1 sends it
-    deadline = time.monotonic() + 120
+    deadline = Deadline(120, "the DRPO task's start")
     while not (state_dir / "job-running").exists():
-        assert time.monotonic() < deadline, cluster.logs()
+        deadline.check(cluster.logs())
         time.sleep(0.2)
     cluster.run("scancel", "--batch", "--signal=USR1", f"{array}_1")
-    cluster.wait_job(f"{array}_1", lambda i: i["Restarts"] == "1" and held_back(i), timeout=120)
+    cluster.wait_job(
+        f"{array}_1", lambda i: i["Restarts"] == "1" and held_back(i), timeout=scaled(120)
+    )
     time.sleep(1.05 - time.time() % 1)  # slurmd refuses a credential of the revoking second
     cluster.run("scontrol", "update", f"JobId={array}_1", "StartTime=now")
 
-    deadline = time.monotonic() + 300
+    deadline = Deadline(300, "the array's end")
     while cluster.run("squeue", "-h", "-r", "-j", array, check=False).stdout.strip():
-        assert time.monotonic() < deadline, cluster.logs()
+        deadline.check(cluster.logs())
         time.sleep(0.5)
     logs = {p.name: p.read_text() for p in (out / "logs").glob("*.out")}
     assert sorted(logs) == [f"arr-{array}_{i}.out" for i in range(3)]

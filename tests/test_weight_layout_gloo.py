@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from time_bounds import scaled
 
 from drpo_openrlhf.sync.sync_check import worker_report
 from drpo_openrlhf.sync.weight_digest import digest, engine_problems
@@ -92,11 +93,13 @@ def tensor_parallel_engine(weights: dict) -> list[tuple]:
     procs = [ctx.Process(target=_rank, args=(r, port, weights, results)) for r in (0, 1)]
     for p in procs:
         p.start()
-    out = sorted((results.get(timeout=300) for _ in procs), key=lambda r: r[0])
+    # hang guards: both ranks' results in 34 s measured (2 cores at load 3-6), 300 s is 9x
+    # that; their exit once they have sent them
+    out = sorted((results.get(timeout=scaled(300)) for _ in procs), key=lambda r: r[0])
     for result in out:
         assert len(result) > 2, result[1]  # a rank's traceback
     for p in procs:
-        p.join(timeout=60)
+        p.join(timeout=scaled(60))
         assert p.exitcode == 0
     return out
 
