@@ -125,7 +125,11 @@ def test_a_stop_request_saves_that_step_through_openrlhf_and_ends_the_run(tmp_pa
     ((_, states),) = t.actor_model_group.saved
     # OpenRLHF's own save code ran: it adds its eval-metric states to ours
     assert states["global_step"] == 3 and "best_eval_metric_key" in states
-    assert states["logprob_gap"] == {"honest": 0.002, "step": 1}  # the resume is held to it
+    assert states["logprob_gap"] == {
+        "honest": 0.002,
+        "step": 1,
+        "param_dtype": "bf16",
+    }  # the resume is held to it
     assert t.tensorboard_logger.logged == [1, 2, 3] and t.tensorboard_logger.closed
     assert t.args.ckpt.save_steps == SAVE_STEPS  # the regular period is back
 
@@ -159,7 +163,7 @@ def test_a_request_before_the_update_saves_the_previous_step_as_it_ended(tmp_pat
     ((tag, states),) = t.actor_model_group.saved
     assert tag == "global_step3" and states["data_loader_state_dict"] == {"consumed": 12}
     assert "best_eval_metric_key" in states  # through OpenRLHF's own save code
-    assert states["logprob_gap"] == {"honest": 0.002, "step": 1}
+    assert states["logprob_gap"] == {"honest": 0.002, "step": 1, "param_dtype": "bf16"}
     assert t.tensorboard_logger.logged == [1, 2, 3] and t.tensorboard_logger.closed
     assert t.args.ckpt.save_steps == SAVE_STEPS
 

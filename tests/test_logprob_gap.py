@@ -242,14 +242,36 @@ def test_the_trainer_loads_the_saved_honest_gap_at_a_resume(monkeypatch):
     monkeypatch.setattr(openrlhf, "init_checkpoint_states", lambda self: dict(saved))
     trainer = ray_actors._GroupAwarePPOTrainer.__new__(ray_actors._GroupAwarePPOTrainer)
     trainer.experience_maker, trainer.vllm_engines = SimpleNamespace(), []
-    trainer.args = SimpleNamespace(drpo_run=SimpleNamespace(verify_weight_sync=True))
+    trainer.args = SimpleNamespace(
+        drpo_run=SimpleNamespace(verify_weight_sync=True), ds=SimpleNamespace(param_dtype="bf16")
+    )
     trainer._gap_limit = GapLimit(None, exact_start=True)
-    assert trainer.init_checkpoint_states() == saved
+    assert trainer.init_checkpoint_states() == saved  # no dtype saved: a bf16 checkpoint
     assert trainer._gap_limit == GapLimit(None, True, honest=0.039, honest_step=1, resumed=True)
     del saved["logprob_gap"]  # a checkpoint from before the gap was saved
     trainer._gap_limit = GapLimit(None, exact_start=True)
     trainer.init_checkpoint_states()
     assert trainer._gap_limit.honest is None and not trainer._gap_limit.resumed
+
+
+@pytest.mark.parametrize(
+    ("saved_dtype", "run_dtype", "kept"),
+    [("fp32", "fp32", True), ("fp32", "bf16", False), (None, "fp32", False), (None, "bf16", True)],
+)
+def test_a_gap_measured_in_another_dtype_does_not_hold_the_resume(saved_dtype, run_dtype, kept):
+    """A CPU run saved in fp32 (honest gap about 2e-6) and resumed where the CPU takes bf16
+    (about 0.008) would stop at its first rollout against the resume limit's 0.005 floor."""
+    from drpo_openrlhf.runtime.ray_actors import gap_state_for
+
+    saved = {"honest": 2e-6, "step": 1} | ({"param_dtype": saved_dtype} if saved_dtype else {})
+    state, note = gap_state_for(saved, run_dtype)
+    assert (state is saved) == kept and (note is None) == kept
+    if not kept:
+        assert f"measured in {saved_dtype or 'bf16'}; this run computes in {run_dtype}" in note
+        limit = GapLimit(None, exact_start=True)
+        limit.load_state_dict(state)
+        assert "honest rollout log-prob gap" in limit.check({0: (0.008, 0.05, 90)}, step=6)[1]
+    assert gap_state_for(None, run_dtype) == (None, None)
 
 
 def test_without_the_weight_check_the_fallback_limit_applies_per_engine():

@@ -115,6 +115,19 @@ class _DRPOPolicyModelActor(
         return super().save_checkpoint(tag, states, metric_value, metric_key)
 
 
+def gap_state_for(saved: dict | None, param_dtype: str) -> tuple[dict | None, str | None]:
+    """The checkpoint's honest-gap state if it was measured in this run's dtype, else None
+    and why: an fp32 gap (about 2e-6 on CPU) would stop a bf16 resume (about 0.008) at its
+    first rollout. Checkpoints that name no dtype were all bf16."""
+    if saved is None or saved.get("param_dtype", "bf16") == param_dtype:
+        return saved, None
+    return None, (
+        f"the checkpoint's honest rollout log-prob gap ({saved['honest']:.3g}) was measured "
+        f"in {saved.get('param_dtype', 'bf16')}; this run computes in {param_dtype}, so its "
+        "first rollout is not held to it (with the weight check on, it measures the gap anew)"
+    )
+
+
 def rollout_logprob_stats(experiences: list, limit: GapLimit, step: int) -> dict[str, float]:
     """The rollout's mean |vLLM - actor| token log-prob gap per engine
     (``drpo/rollout_logprob_gap/engine_<i>``), pooled over engines
@@ -295,8 +308,12 @@ class _GroupAwarePPOTrainer(VerifiedSyncTrainer, ppo_trainer.PPOTrainer.__ray_ac
         return self._signal_watch.stats()
 
     def _with_gap_state(self, client_states: dict | None) -> dict:
-        """The honest log-prob gap goes with every checkpoint, so a resume is held to it."""
-        return {**(client_states or {}), GAP_STATE: self._gap_limit.state_dict()}
+        """The honest log-prob gap goes with every checkpoint, so a resume is held to it, with
+        the dtype it was measured in."""
+        state = self._gap_limit.state_dict()
+        if state is not None:
+            state = {**state, "param_dtype": self.args.ds.param_dtype}
+        return {**(client_states or {}), GAP_STATE: state}
 
     def save_logs_and_checkpoints(self, global_step, logs_dict=None, client_states=None):
         client_states = self._with_gap_state(client_states)
@@ -375,7 +392,10 @@ class _GroupAwarePPOTrainer(VerifiedSyncTrainer, ppo_trainer.PPOTrainer.__ray_ac
         states = super().init_checkpoint_states()
         if self._shaper is not None and SHAPING_STATE in states:
             self._shaper.load_state_dict(states[SHAPING_STATE])
-        self._gap_limit.load_state_dict(states.get(GAP_STATE))
+        saved, note = gap_state_for(states.get(GAP_STATE), self.args.ds.param_dtype)
+        if note:
+            print(f"drpo_openrlhf: {note}", flush=True)  # a Ray actor logs no INFO
+        self._gap_limit.load_state_dict(saved)
         return states
 
 
