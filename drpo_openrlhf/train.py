@@ -12,6 +12,7 @@ import argparse
 import sys
 import traceback
 
+from drpo_openrlhf import process_tree
 from drpo_openrlhf.algo import DRPOConfig
 from drpo_openrlhf.algo.config import KL_ESTIMATES, PENALTY_FORMS
 from drpo_openrlhf.algo.length_reward import LENGTH_REWARDS
@@ -22,7 +23,12 @@ from drpo_openrlhf.flags import flag
 from drpo_openrlhf.rewards import answer_format
 from drpo_openrlhf.runtime import memory_plan, openrlhf_flags, preflight
 from drpo_openrlhf.runtime.checkpoint_check import check_checkpoint
-from drpo_openrlhf.runtime.checkpoints import innermost, prepare_resume, stop_message
+from drpo_openrlhf.runtime.checkpoints import (
+    innermost,
+    interrupt_message,
+    prepare_resume,
+    stop_message,
+)
 from drpo_openrlhf.runtime.cpu_dtype import CPU_DTYPES
 from drpo_openrlhf.runtime.device import DEVICES
 from drpo_openrlhf.runtime.graceful_stop import StopRequested, clear_stale_request
@@ -389,7 +395,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"Estimated peak GPU memory (docs/launch.md, Memory plan):\n{options.memory_plan}")
     else:
         print("No GPU memory estimate: --drpo.gpu_memory_gib 0, or no config.json for the model")
-    from drpo_openrlhf.runtime.launch import run_openrlhf
+    from drpo_openrlhf.runtime.launch import run_openrlhf, shutdown_ray
 
     cleared = clear_stale_request(options.ckpt_path)
     if cleared:
@@ -398,6 +404,15 @@ def main(argv: list[str] | None = None) -> None:
         print(f"drpo_openrlhf: {prepare_resume(options.ckpt_path)}", flush=True)
     try:
         run_openrlhf(openrlhf_argv, options)
+    except (KeyboardInterrupt, SystemExit) as stop:
+        interrupted = process_tree.interruption(stop)
+        if interrupted is None:
+            raise
+        print(f"drpo_openrlhf: interrupted by {interrupted.name}: stopping", file=sys.stderr)
+        shutdown_ray()  # the actors' last words (Ray forwards them) come before the run's
+        message = interrupt_message(interrupted.name, options.ckpt_path)
+        print(f"drpo_openrlhf: {message}", file=sys.stderr, flush=True)
+        raise SystemExit(interrupted.exit_code) from None
     except Exception as error:
         if isinstance(innermost(error), StopRequested):  # the step is saved: a clean end
             print(f"drpo_openrlhf: {innermost(error)}", flush=True)
@@ -412,8 +427,16 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     from drpo_openrlhf.runtime.process_exit import exit_now
 
+    process_tree.interrupt_on_signals()  # SIGTERM unwinds as Ctrl-C does
+    code: int | str | None = 0
     try:
         main()
     except SystemExit as stop:
-        exit_now(stop.code)
-    exit_now(0)
+        code = stop.code
+    except KeyboardInterrupt as stop:  # while the flags and inputs were checked
+        interrupted = process_tree.as_interrupted(stop)
+        said = f"interrupted by {interrupted.name} before the run started"
+        print(f"drpo_openrlhf: {said}", file=sys.stderr)
+        code = interrupted.exit_code
+    process_tree.exiting()  # a signal now would cut the exit handlers short (Ray's shutdown)
+    exit_now(code)

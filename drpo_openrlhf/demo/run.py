@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -37,6 +38,7 @@ from drpo_openrlhf.demo.results import (
     summary_rows,
 )
 from drpo_openrlhf.demo.training import demo_runs, local_ray_cluster, run_logged, train_command
+from drpo_openrlhf.process_tree import as_interrupted, interrupt_on_signals
 
 
 def run_demo(
@@ -114,9 +116,13 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     config = with_seed(DemoConfig.quick() if args.quick else DemoConfig(), args.seed)
     start = time.perf_counter()
-    summary = run_demo(
-        config, args.output_dir, progress=not args.no_progress, retrain=args.train_base
-    )
+    interrupt_on_signals()
+    try:
+        summary = run_demo(
+            config, args.output_dir, progress=not args.no_progress, retrain=args.train_base
+        )
+    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM (interrupt_on_signals)
+        raise SystemExit(interrupted_line(stop, args.output_dir)) from None
     rows = summary["rows"]
     print("\n" + format_table(rows, list(MAIN_COLUMNS)))
     for kinds in (("pass@1", "length"), ("skipped", "rechecks")):
@@ -126,6 +132,19 @@ def main(argv: list[str] | None = None) -> None:
         "\nreference = DisCO (DRPO with lambda = inf, no length reward); "
         f"figure: {args.output_dir / 'tradeoff.png'}; total {time.perf_counter() - start:.0f} s"
     )
+
+
+def interrupted_line(stop: KeyboardInterrupt, output_dir: Path) -> int:
+    """Says how the demo stopped, once every process it started is gone; its exit status."""
+    interrupted = as_interrupted(stop)
+    print(
+        f"python -m drpo_openrlhf.demo: interrupted by {interrupted.name}; every process it "
+        f"started is stopped. Outputs so far (each run's log in logs/) are in {output_dir}; "
+        "run it again to start over",
+        file=sys.stderr,
+        flush=True,
+    )
+    return interrupted.exit_code
 
 
 if __name__ == "__main__":

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -13,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from drpo_openrlhf.demo.config import DemoConfig, RLConfig
+from drpo_openrlhf.process_tree import keeping_sigterm, owning_processes, run_child
 
 # what the runs need on a machine without a model hub; setdefault, so a user's value wins
 RUN_ENV = {
@@ -105,28 +105,31 @@ def _metric(line: str, key: str) -> str:
     return found.group(1) if found else "?"
 
 
+# how long an interrupted run gets to stop on its own before it is killed (its driver, then
+# Ray ending the job's actors: seconds)
+CHILD_STOP_S = 60.0
+
+
 def run_logged(command: list[str], log: Path, label: str, steps: int, progress: bool) -> None:
     """Runs ``command`` with its output in ``log``, printing one line per training step;
-    a failure raises with the log's last lines."""
+    a failure raises with the log's last lines. Interrupted (Ctrl-C, SIGTERM), it stops the
+    run with the same signal and waits for it before passing the interruption on."""
     log.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **{k: os.environ.get(k, v) for k, v in RUN_ENV.items()}}
+
+    def echo_step(line: str) -> None:
+        found = STEP_LINE.search(line)
+        if progress and found:
+            reward = _metric(line, "rollout/reward_mean")
+            length = _metric(line, "rollout/response_length_mean")
+            print(
+                f"  {label}: step {found.group(1)}/{steps}  reward {float(reward):.3f}  "
+                f"length {float(length):.1f}",
+                flush=True,
+            )
+
     with log.open("w") as sink:
-        process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-        )
-        assert process.stdout is not None
-        for line in process.stdout:
-            sink.write(line)
-            found = STEP_LINE.search(line)
-            if progress and found:
-                reward = _metric(line, "rollout/reward_mean")
-                length = _metric(line, "rollout/response_length_mean")
-                print(
-                    f"  {label}: step {found.group(1)}/{steps}  reward {float(reward):.3f}  "
-                    f"length {float(length):.1f}",
-                    flush=True,
-                )
-        code = process.wait()
+        code = run_child(command, sink, echo_step, CHILD_STOP_S, env=env)
     if code != 0:
         tail = "".join(log.read_text().splitlines(keepends=True)[-25:])
         raise RuntimeError(f"{label} failed (exit {code}); full log: {log}\n{tail}")
@@ -134,18 +137,27 @@ def run_logged(command: list[str], log: Path, label: str, steps: int, progress: 
 
 @contextmanager
 def local_ray_cluster(num_gpus: int) -> Iterator[str]:
-    """A local Ray cluster with fake GPUs for the runs to join (``RAY_ADDRESS``), stopped on
-    exit: the CPU stand-in for the cluster a user submits to."""
+    """A local Ray cluster with fake GPUs for the runs to join (``RAY_ADDRESS``): the CPU
+    stand-in for the cluster a user submits to. On exit, however it comes, Ray shuts it down
+    and every process it started that is still alive is ended, those Ray lost track of
+    included (``process_tree``). ``ray.init`` replaces the caller's SIGTERM handler with
+    Ray's; a handler of the caller's own is put back."""
     import ray
 
-    context = ray.init(
-        address="local",
-        num_cpus=2 * num_gpus,
-        num_gpus=num_gpus,
-        include_dashboard=False,
-        log_to_driver=False,
-    )
-    try:
-        yield context.address_info["address"]
-    finally:
-        ray.shutdown()
+    with owning_processes(report=_report_leftovers):
+        with keeping_sigterm():
+            context = ray.init(
+                address="local",
+                num_cpus=2 * num_gpus,
+                num_gpus=num_gpus,
+                include_dashboard=False,
+                log_to_driver=False,
+            )
+        try:
+            yield context.address_info["address"]
+        finally:
+            ray.shutdown()
+
+
+def _report_leftovers(line: str) -> None:
+    print(f"local Ray cluster: {line}", file=sys.stderr, flush=True)

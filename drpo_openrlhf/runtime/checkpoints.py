@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from drpo_openrlhf.runtime.graceful_stop import stop_request_file
 from drpo_openrlhf.sync.engine_start import start_failure
 
 MARKER = "drpo_complete.json"
@@ -173,3 +174,23 @@ def stop_message(error: BaseException, ckpt_path: str | None) -> str:
         cause, "resume_advice", "rerun the same command with --ckpt.load_enable to resume from it"
     )
     return f"{text}. Last complete checkpoint: {checkpoint}; {advice}."
+
+
+def interrupt_message(signal_name: str, ckpt_path: str | None) -> str:
+    """The last line of a run stopped by Ctrl-C or SIGTERM: what happened, the checkpoint to
+    resume from, and the stop that saves first (``graceful_stop``)."""
+    text = f"the run stopped on {signal_name}"
+    checkpoint = last_checkpoint(ckpt_path)
+    if checkpoint is None:
+        text += ". No complete checkpoint: a rerun starts from the beginning"
+    else:
+        text += (
+            f". Last complete checkpoint: {checkpoint}; rerun the same command with "
+            "--ckpt.load_enable to resume from it"
+        )
+    if not ckpt_path:
+        return text + "."
+    return (
+        f"{text} (to stop at the next step with a checkpoint instead: touch "
+        f"{stop_request_file(ckpt_path)})."
+    )

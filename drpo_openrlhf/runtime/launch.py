@@ -11,7 +11,7 @@ import os
 import runpy
 import sys
 
-from drpo_openrlhf import upstream
+from drpo_openrlhf import process_tree, upstream
 from drpo_openrlhf.runtime import cpu_dtype, cpu_support
 from drpo_openrlhf.runtime.device import resolve_mode
 from drpo_openrlhf.runtime.openrlhf_cli import TRAIN_MODULE, openrlhf_parser
@@ -86,6 +86,17 @@ def allow_job_env_overlap() -> None:
     os.environ.setdefault("RAY_OVERRIDE_JOB_RUNTIME_ENV", "1")
 
 
+def shutdown_ray() -> None:
+    """Ray's own shutdown: a local cluster stops, a joined one ends this job's actors."""
+    import ray
+
+    ray.shutdown()
+
+
+def _report_leftovers(line: str) -> None:
+    print(f"drpo_openrlhf: local Ray cluster: {line}", file=sys.stderr, flush=True)
+
+
 def run_openrlhf(openrlhf_argv: list[str], run: RunOptions) -> None:
     """``python -m openrlhf.cli.train_ppo_ray <openrlhf_argv>`` with DRPO's update, or, when
     ``run.method`` names a baseline, with PPO on shaped rewards; ``run.max_steps`` ends it.
@@ -116,6 +127,8 @@ def run_openrlhf(openrlhf_argv: list[str], run: RunOptions) -> None:
         print(f"python -m drpo_openrlhf.train: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
     upstream.verify()  # before anything starts: every patched symbol is as read
+    if cluster.address is None:  # ray.init starts a local cluster: the run owns its processes
+        process_tree.own_until_exit(shutdown_ray, _report_leftovers)
     param_dtype = None  # a GPU run keeps --ds.param_dtype
     if cpu:
         logger.warning("CPU run: vLLM CPU engines, gloo weight sync (docs/cpu.md)")
@@ -127,7 +140,8 @@ def run_openrlhf(openrlhf_argv: list[str], run: RunOptions) -> None:
                 param_dtype,
             )
         cpu_support.enable()
-        init_cpu_ray(args, cluster.address)
+        with process_tree.keeping_sigterm():
+            init_cpu_ray(args, cluster.address)
 
     from drpo_openrlhf.runtime.ray_actors import (
         BaselinePolicyModelActor,

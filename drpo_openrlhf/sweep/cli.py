@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from drpo_openrlhf.process_tree import as_interrupted
 from drpo_openrlhf.sweep import local, ray_jobs, slurm, state
 from drpo_openrlhf.sweep.report import write_report
 from drpo_openrlhf.sweep.spec import Run, Sweep, SweepError, read_file
@@ -202,3 +203,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (RuntimeError, KeyError) as error:
         print(f"drpo-sweep: error: {error}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM (process_tree.interrupt_on_signals)
+        interrupted = as_interrupted(stop)
+        print(
+            f"drpo-sweep: interrupted by {interrupted.name}; the run in progress and every "
+            "process the sweep started are stopped. `drpo-sweep run` again skips the finished "
+            "runs and resumes the others",
+            file=sys.stderr,
+        )
+        return interrupted.exit_code

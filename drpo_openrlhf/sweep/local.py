@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import os
 import shlex
-import signal
 import sys
 from contextlib import nullcontext
 
+from drpo_openrlhf.process_tree import interrupt_on_signals, restore_signals
 from drpo_openrlhf.sweep import state
 from drpo_openrlhf.sweep.commands import eval_argv, train_argv
 from drpo_openrlhf.sweep.spec import Run, Sweep
@@ -29,17 +29,14 @@ def dry_run(sweep: Sweep, runs: list[Run]) -> None:
             print(shlex.join(command))
 
 
-def _stop(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)  # unwinds: the child is stopped and Ray shut down
-
-
 def run_all(sweep: Sweep, runs: list[Run]) -> list[str]:
     """Runs each of ``runs``; a failed run is reported and the next one starts. Returns the
-    names of the runs that failed."""
+    names of the runs that failed. Ctrl-C and SIGTERM unwind (``Interrupted``): the run in
+    progress is stopped, then the cluster with every process it started."""
     from drpo_openrlhf.demo.training import local_ray_cluster
 
     failed = []
-    previous = signal.signal(signal.SIGTERM, _stop)
+    previous = interrupt_on_signals()
     own_cluster = any(r.trains for r in runs) and not os.environ.get("RAY_ADDRESS")
     cluster = local_ray_cluster(sweep.local.get("num_gpus", 2)) if own_cluster else nullcontext()
     try:
@@ -60,5 +57,5 @@ def run_all(sweep: Sweep, runs: list[Run]) -> list[str]:
                 if address:
                     os.environ.pop("RAY_ADDRESS", None)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        restore_signals(previous)
     return failed

@@ -5,43 +5,34 @@ share from the run's logs, and the done marker. Slurm tasks train through the re
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
+from drpo_openrlhf.process_tree import run_child
 from drpo_openrlhf.sweep import state
 from drpo_openrlhf.sweep.commands import eval_argv, model_dir, result_path, train_argv
 from drpo_openrlhf.sweep.spec import Run, Sweep
 
+# how long an interrupted run gets to stop on its own before it is killed
+CHILD_STOP_S = 60.0
+
 
 def run_logged(command: list[str], log: Path, label: str) -> None:
     """``command`` with its output appended to ``log``; the training steps are echoed. A
-    failure raises with the log's last lines. Our own interruption (SIGTERM turned into
-    SystemExit, Ctrl-C) stops the child first."""
+    failure raises with the log's last lines. Our own interruption (Ctrl-C, SIGTERM) stops
+    the child first, with the same signal."""
     from drpo_openrlhf.demo.training import STEP_LINE
+
+    def echo_step(line: str) -> None:
+        found = STEP_LINE.search(line)
+        if found:
+            print(f"  {label}: step {found.group(1)}", flush=True)
 
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("a") as sink:
         sink.write(f"$ {' '.join(command)}\n")
         sink.flush()
-        process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        try:
-            assert process.stdout is not None
-            for line in process.stdout:
-                sink.write(line)
-                found = STEP_LINE.search(line)
-                if found:
-                    print(f"  {label}: step {found.group(1)}", flush=True)
-            code = process.wait()
-        finally:
-            if process.poll() is None:
-                process.terminate()
-                try:
-                    process.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    process.kill()
+        code = run_child(command, sink, echo_step, CHILD_STOP_S)
     if code != 0:
         tail = "".join(log.read_text().splitlines(keepends=True)[-20:])
         raise RuntimeError(f"{label} exited with {code}; log: {log}\n{tail}")
