@@ -55,14 +55,14 @@ def changed_run(tmp_path) -> list[str]:
         *("--no-drpo.verify_weight_sync", "--drpo.weight_probe", "log"),
         *("--drpo.logprob_chunk_tokens", "512", "--drpo.answer_format", "plain"),
         *("--drpo.gpu_memory_gib", "0", "--ckpt.path", str(tmp_path / "ckpt")),
-        "--ckpt.load_enable",
+        *("--ckpt.load_enable", "--drpo.cpu_dtype", "fp32"),
     ]
 
 
 def test_the_options_hold_every_old_run_attribute_and_the_drpo_config():
     drpo, options, _ = train.parse(BASE)
     assert isinstance(options, RunOptions) and options.drpo is drpo
-    assert {f.name for f in fields(RunOptions)} == {"drpo", *OLD_RUN_ATTRIBUTES}
+    assert {f.name for f in fields(RunOptions)} == {"drpo", "cpu_dtype", *OLD_RUN_ATTRIBUTES}
     assert options.method is None and options.params == {}
     assert options.memory_plan and options.answer_format_line.startswith("answer format: ")
 
@@ -81,6 +81,7 @@ def test_every_option_comes_from_its_flag(tmp_path):
     assert changed.logprob_chunk_tokens == 512 and changed.memory_plan is None
     assert (changed.ckpt_path, changed.resume) == (str(tmp_path / "ckpt"), True)
     assert changed.answer_format.name == "plain" and changed.answer_format.explicit
+    assert (default.cpu_dtype, changed.cpu_dtype) == ("auto", "fp32")
     baseline = [*BASE, "--shaping.method", "rloo_lp", "--shaping.params", "alpha=0.2"]
     _, options, _ = train.parse(baseline)
     assert (options.method, options.params) == ("rloo_lp", {"alpha": 0.2})
