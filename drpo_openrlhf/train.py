@@ -21,7 +21,7 @@ from drpo_openrlhf.algo.shaping import METHODS
 from drpo_openrlhf.algo.weight_probe import GUARDS as PROBE_GUARDS
 from drpo_openrlhf.flags import flag
 from drpo_openrlhf.rewards import answer_format
-from drpo_openrlhf.runtime import memory_plan, openrlhf_flags, preflight
+from drpo_openrlhf.runtime import dynamic_filter, memory_plan, openrlhf_flags, preflight
 from drpo_openrlhf.runtime.checkpoint_check import check_checkpoint
 from drpo_openrlhf.runtime.checkpoints import (
     innermost,
@@ -383,6 +383,8 @@ def parse(argv: list[str]) -> tuple[DRPOConfig, RunOptions, list[str]]:
         options = build_options(args)
         openrlhf_argv = with_defaults(openrlhf_args_of(argv), defaults)
         check_openrlhf_validation(openrlhf_argv)
+        given = _given(argv, dynamic_filter.RANGE)
+        dynamic_filter.check_range(args, options.drpo, given)
     except ValueError as error:  # LayoutError included
         parser.error(str(error))
     return options.drpo, options, openrlhf_argv

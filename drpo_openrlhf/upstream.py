@@ -501,6 +501,33 @@ TABLE: tuple[Patch, ...] = (
     ),
     Patch(
         site=None,
+        module="openrlhf.trainer.ppo_utils.samples_generator",
+        symbol="SamplesGenerator.generate_samples",
+        kind=OVERRIDDEN,
+        why="dynamic filtering's pass rate: kept prompts over prompts generated",
+        source="openrlhf/trainer/ppo_utils/samples_generator.py",
+        ours="drpo_openrlhf.runtime.dynamic_filter.FilteringSamplesGenerator",
+        signature=(
+            "(self, **generate_kwargs) -> "
+            "Tuple[List[openrlhf.trainer.ppo_utils.experience.Experience], Optional[float], int, "
+            "bool]"
+        ),
+    ),
+    Patch(
+        site=None,
+        module="openrlhf.trainer.ppo_utils.samples_generator",
+        symbol="SamplesGenerator._generate_vllm",
+        kind=OVERRIDDEN,
+        why="dynamic filtering keeps DRPO's learnable groups, refilled in rounds of the original",
+        source="openrlhf/trainer/ppo_utils/samples_generator.py",
+        ours="drpo_openrlhf.runtime.dynamic_filter.FilteringSamplesGenerator",
+        signature=(
+            "(self, dataloader_iter, num_prompts: int, dynamic_filtering, **generate_kwargs) -> "
+            "Tuple[List[openrlhf.trainer.ppo_utils.experience.Experience], int, bool]"
+        ),
+    ),
+    Patch(
+        site=None,
         module="openrlhf.trainer.ray.ppo_actor",
         symbol="PolicyModelActor.__ray_actor_class__.init_model_from_pretrained",
         kind=OVERRIDDEN,

@@ -29,6 +29,7 @@ from drpo_openrlhf.rewards.reward_guard import RewardOptionsEngine, guard_engine
 from drpo_openrlhf.runtime import cpu_dtype
 from drpo_openrlhf.runtime.checkpoints import CompleteCheckpointActor
 from drpo_openrlhf.runtime.cpu_support import CPU_WORKER_EXTENSION
+from drpo_openrlhf.runtime.dynamic_filter import FilteringSamplesGenerator
 from drpo_openrlhf.runtime.graceful_stop import (
     RolloutCanceller,
     StepTimes,
@@ -211,11 +212,14 @@ class _MaxStepsReached(Exception):
     """Raised after the checkpoint of the last step to leave OpenRLHF's episode loops."""
 
 
-class StoppableSamplesGenerator(ProbingSamplesGenerator, samples_generator.SamplesGenerator):
+class StoppableSamplesGenerator(
+    ProbingSamplesGenerator, FilteringSamplesGenerator, samples_generator.SamplesGenerator
+):
     """OpenRLHF's generator whose rollouts a stop request can drop (``graceful_stop``): it
     looks for the request before generating and once the rollout is complete, and its vLLM
     requests go to a ``RolloutCanceller`` meanwhile. The engines score a pending weight probe
-    before its first request (``sync_check.ProbingSamplesGenerator``)."""
+    before its first request (``sync_check.ProbingSamplesGenerator``); dynamic filtering keeps
+    the run's groups (``dynamic_filter``)."""
 
     canceller: RolloutCanceller
 
@@ -293,8 +297,9 @@ class _GroupAwarePPOTrainer(VerifiedSyncTrainer, ppo_trainer.PPOTrainer.__ray_ac
         return stats
 
     def _watch_signal(self, experiences) -> dict[str, float]:
-        """Print the rollout's step line; stop the run, before the update, once too many
-        rollouts in a row had nothing to learn from (``signal_watch``)."""
+        """Print the rollout's step line (with what dynamic filtering dropped to fill it); stop
+        the run, before the update, once too many rollouts in a row had nothing to learn
+        from (``signal_watch``)."""
         config = None if self._shaper is not None else self.args.drpo
         rollout = rollout_signal(
             experiences,
@@ -302,10 +307,12 @@ class _GroupAwarePPOTrainer(VerifiedSyncTrainer, ppo_trainer.PPOTrainer.__ray_ac
             self.args.rollout.n_samples_per_prompt,
             self.args.algo.advantage.estimator,
         )
-        line = self._signal_watch.observe(getattr(self, "_rollout_step", 0), rollout)
+        filtered = getattr(getattr(self, "samples_generator", None), "filter_report", None)
+        note = filtered.line() if filtered else None
+        line = self._signal_watch.observe(getattr(self, "_rollout_step", 0), rollout, note)
         print(f"drpo_openrlhf: {line}", flush=True)  # a Ray actor logs no INFO
         self._signal_watch.check()
-        return self._signal_watch.stats()
+        return self._signal_watch.stats() | (filtered.stats() if filtered else {})
 
     def _with_gap_state(self, client_states: dict | None) -> dict:
         """The honest log-prob gap goes with every checkpoint, so a resume is held to it, with

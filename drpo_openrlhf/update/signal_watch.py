@@ -201,13 +201,20 @@ def _baseline_learnable(experiences: Sequence, group_ids: Tensor, estimator: str
 
 
 def rollout_signal(
-    experiences: Sequence, config: DRPOConfig | None, n_samples: int, estimator: str = ""
+    experiences: Sequence,
+    config: DRPOConfig | None,
+    n_samples: int,
+    estimator: str = "",
+    group_ids: Tensor | None = None,
 ) -> RolloutSignal:
     """A rollout's ``RolloutSignal``: DRPO's groups under ``config``, or, with ``config``
-    None, a baseline's under OpenRLHF's advantage ``estimator``."""
+    None, a baseline's under OpenRLHF's advantage ``estimator``. ``group_ids`` (one per
+    response) stand in for the groups' tags where none were written yet (the samples
+    generator's responses: ``runtime/dynamic_filter.py``)."""
     sizes = [e.scores.numel() for e in experiences]
     correct = correctness(torch.cat([e.scores.reshape(-1) for e in experiences]))
-    group_ids = _group_ids(experiences, n_samples, None if config is None else GROUP_KEY)
+    if group_ids is None:
+        group_ids = _group_ids(experiences, n_samples, None if config is None else GROUP_KEY)
     if config is None:
         learnable = _baseline_learnable(experiences, group_ids, estimator)
         all_correct_fix = "harder prompts"
@@ -253,13 +260,16 @@ class SignalWatch:
         self.streak = 0
         self._last: RolloutSignal | None = None
 
-    def observe(self, step: int, rollout: RolloutSignal) -> str:
-        """Count ``rollout`` and return its step line."""
+    def observe(self, step: int, rollout: RolloutSignal, note: str | None = None) -> str:
+        """Count ``rollout`` and return its step line; ``note`` follows the group count (what
+        dynamic filtering dropped to fill the rollout)."""
         self.streak = self.streak + 1 if rollout.without_signal else 0
         self._last = rollout
         learnable = "?" if rollout.learnable is None else rollout.learnable
         line = f"step {step}: correct {percent(rollout.correct)}"
         line += f", learnable groups {learnable}/{rollout.groups}"
+        if note:
+            line += f", {note}"
         if rollout.reasons:
             line += f" | {format_shares(rollout.reasons)}"
         if not rollout.without_signal:
