@@ -16,6 +16,7 @@ from drpo_openrlhf import process_tree
 from drpo_openrlhf.algo import DRPOConfig
 from drpo_openrlhf.algo.config import KL_ESTIMATES, PENALTY_FORMS
 from drpo_openrlhf.algo.length_reward import LENGTH_REWARDS
+from drpo_openrlhf.algo.rollout_correction import CORRECTION_FLAGS, rollout_correction
 from drpo_openrlhf.algo.shaper import GroupRewardShaper
 from drpo_openrlhf.algo.shaping import METHODS
 from drpo_openrlhf.algo.weight_probe import GUARDS as PROBE_GUARDS
@@ -52,7 +53,6 @@ REJECTED_FLAGS = {
     "--algo.kl.use_loss": "DRPO's KL term is its trust region (--drpo.delta/--drpo.beta0)",
     "--train.max_epochs": "DRPO takes one pass over each rollout (Algorithm 1); drop it",
     "--train.async_enable": "asynchronous training uses another trainer; drop it for DRPO",
-    "--algo.advantage.is_correction_level": "importance-sampling correction is part of PPO's loss",
 }
 
 
@@ -352,6 +352,7 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             raise ValueError(f"{option} is not used by DRPO: {advice}")
     if flag(args, "algo.advantage.estimator") == "gae":
         raise ValueError("--algo.advantage.estimator gae needs a critic; DRPO uses none")
+    rollout_correction(*(flag(args, name) for name in CORRECTION_FLAGS))  # or why not
     ring, tp = flag(args, "ds.ring_attn_size"), flag(args, "ds.tensor_parallel_size")
     if ring > 1 and tp > 1:
         raise ValueError(

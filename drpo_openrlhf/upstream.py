@@ -79,7 +79,11 @@ TABLE: tuple[Patch, ...] = (
         module="openrlhf.utils.config",
         symbol="hierarchize",
         kind=WRAPPED,
-        why=("adds args.drpo and args.drpo_run, which reach every Ray actor inside strategy.args"),
+        why=(
+            "adds args.drpo and args.drpo_run, which reach every Ray actor inside strategy.args; "
+            "a DRPO run's is_correction_level reads off there (DRPO's correction is in args.drpo, "
+            "and PPO's loss, which DRPO replaces, refuses its sequence-level clip)"
+        ),
         source="openrlhf/utils/config.py",
         ours="drpo_openrlhf.runtime.launch.run_openrlhf",
         signature="(args)",

@@ -254,6 +254,24 @@ def test_main_runs_openrlhf_with_the_drpo_actors(entry_point):
     assert seen["rollout"] is ray_actors.CPURolloutRayActor
 
 
+def test_a_drpo_run_takes_the_correction_flags_from_openrlhfs_loss(entry_point):
+    """DRPO reads --algo.advantage.is_correction_* into its config and hands OpenRLHF's PPO
+    loss, which it replaces, the correction off (its constructor refuses a sequence-level
+    clip); a baseline's PPO loss keeps them."""
+    flags = ["--algo.advantage.is_correction_level", "seq"]
+    flags += ["--algo.advantage.is_correction_mode", "clip"]
+    train.main([*BASE, *flags])
+    args = entry_point["args"]
+    assert (args.drpo.rollout_correction.level, args.drpo.rollout_correction.mode) == (
+        "seq",
+        "clip",
+    )
+    assert args.algo.advantage.is_correction_level == "off"
+    baseline = ["--shaping.method", "rloo_lp", "--shaping.params", "alpha=0.2"]
+    train.main([*BASE, *baseline, "--algo.advantage.is_correction_level", "token"])
+    assert entry_point["args"].algo.advantage.is_correction_level == "token"
+
+
 def test_main_removes_a_stale_stop_request_before_the_run_starts(
     entry_point, tmp_path, monkeypatch, capsys
 ):

@@ -4,10 +4,11 @@ estimate (``kl_estimate``: Algorithm 1's by default, the released code's on requ
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypedDict
 
 from drpo_openrlhf.algo.length_reward import LENGTH_REWARDS
+from drpo_openrlhf.algo.rollout_correction import RolloutCorrection
 
 PENALTY_FORMS = ("authors", "paper")
 KL_ESTIMATES = ("minibatch", "microstep")
@@ -44,6 +45,9 @@ class DRPOConfig:
       as each response's ``ResponseScalars.preference``.
     - ``keep_all_wrong``, ``all_correct_length_signal``, ``lambda_by_pass_rate`` and its
       ``pass_rate_prior``: options of ``drpo_objective``, off in the released runs.
+    - ``rollout_correction``: importance weights pi_old/mu for the engines' samples, from
+      OpenRLHF's ``--algo.advantage.is_correction_*`` flags (``rollout_correction``); off
+      in the released runs.
     """
 
     lam: float = 0.1
@@ -59,6 +63,7 @@ class DRPOConfig:
     all_correct_length_signal: bool = False
     lambda_by_pass_rate: bool = False
     pass_rate_prior: float = 0.0
+    rollout_correction: RolloutCorrection = field(default_factory=RolloutCorrection)
 
     def __post_init__(self) -> None:
         if not self.lam > 0:
@@ -85,6 +90,8 @@ class DRPOConfig:
             raise ValueError(f"pass_rate_prior must be >= 0 and finite, got {self.pass_rate_prior}")
         if self.pass_rate_prior and not self.lambda_by_pass_rate:
             raise ValueError("pass_rate_prior shrinks lambda_by_pass_rate's rate: turn that on")
+        if not isinstance(self.rollout_correction, RolloutCorrection):
+            raise ValueError("rollout_correction must be a RolloutCorrection")
 
     @property
     def length_positive_reward(self) -> bool:

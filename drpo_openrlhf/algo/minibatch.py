@@ -25,7 +25,13 @@ from drpo_openrlhf.algo.config import DRPOConfig
 from drpo_openrlhf.algo.groups import count_distinct, dense_group_index, segment_sum
 from drpo_openrlhf.algo.length_reward import length_reward
 from drpo_openrlhf.algo.objective import drpo_objective
-from drpo_openrlhf.algo.scores import kl_sums, sequence_scores
+from drpo_openrlhf.algo.rollout_correction import (
+    CorrectionScalars,
+    RolloutWeights,
+    correction_metrics,
+    kl_parts,
+)
+from drpo_openrlhf.algo.scores import kl_sums, masked_sum, sequence_scores
 from drpo_openrlhf.algo.trust_region import kl_penalty
 
 
@@ -39,6 +45,12 @@ class ResponseScalars:
     ``preference`` is each response's positive reward when it is not the length reward
     (``DRPOConfig.positive_reward``): data, like correctness, scored where the rewards run;
     ``None`` when the length reward ranks the correct responses.
+
+    Under a rollout correction (``rollout_correction``) ``correction`` holds the responses'
+    summaries and ``kl_sum`` is token-weighted; ``weighted_score``, the mean of the
+    token-weighted log-probs, is what a micro-batch back-propagates in place of ``score``
+    (``gradient_score``), whose value the objective reads. Only the forward's own scalars
+    carry it: the gathered ones need none.
     """
 
     score: Tensor
@@ -48,21 +60,37 @@ class ResponseScalars:
     group_id: Tensor
     microstep: Tensor
     preference: Tensor | None = None
+    weighted_score: Tensor | None = None
+    correction: CorrectionScalars | None = None
 
     def __post_init__(self) -> None:
         shapes = {
             f.name: tuple(getattr(self, f.name).shape)
             for f in fields(self)
-            if getattr(self, f.name) is not None
+            if isinstance(getattr(self, f.name), Tensor)
         }
+        if self.correction is not None:
+            shapes["correction"] = (len(self.correction),)
         if len(set(shapes.values())) != 1 or len(next(iter(shapes.values()))) != 1:
             raise ValueError(f"ResponseScalars fields must be 1-D of one length, got {shapes}")
+
+    @property
+    def gradient_score(self) -> Tensor:
+        """The score a micro-batch back-propagates: token-weighted under a token correction."""
+        return self.score if self.weighted_score is None else self.weighted_score
 
     @staticmethod
     def concat(parts: list[ResponseScalars]) -> ResponseScalars:
         preferences = [p.preference for p in parts if p.preference is not None]
-        if preferences and len(preferences) != len(parts):
-            raise ValueError("some parts have no preference")
+        weighted = [p.weighted_score for p in parts if p.weighted_score is not None]
+        corrections = [p.correction for p in parts if p.correction is not None]
+        for name, present in [
+            ("preference", preferences),
+            ("weighted_score", weighted),
+            ("correction", corrections),
+        ]:
+            if present and len(present) != len(parts):
+                raise ValueError(f"some parts have no {name}")
         return ResponseScalars(
             score=torch.cat([p.score for p in parts]),
             kl_sum=torch.cat([p.kl_sum for p in parts]),
@@ -71,6 +99,8 @@ class ResponseScalars:
             group_id=torch.cat([p.group_id for p in parts]),
             microstep=torch.cat([p.microstep for p in parts]),
             preference=torch.cat(preferences) if preferences else None,
+            weighted_score=torch.cat(weighted) if weighted else None,
+            correction=CorrectionScalars.concat(corrections) if corrections else None,
         )
 
 
@@ -82,18 +112,30 @@ def response_scalars(
     group_ids: Tensor,
     microstep: int = 0,
     preference: Tensor | None = None,
+    weights: RolloutWeights | None = None,
 ) -> ResponseScalars:
     """Scalars of a micro-batch of responses from ``(B, T)`` token log-probs and mask;
-    ``preference``: their positive rewards, unless it is the length reward."""
+    ``preference``: their positive rewards, unless it is the length reward; ``weights``: the
+    rollout correction's (``rollout_correction.rollout_weights``), whose token weights
+    multiply each token's term in the KL sum and in the score's gradient."""
     mask = mask.to(log_probs.dtype)
+    score = sequence_scores(log_probs, mask)
+    kl_sum, weighted_score, correction = kl_sums(log_probs, old_log_probs, mask), None, None
+    if weights is not None:
+        tokens = weights.tokens.to(log_probs.dtype)  # exactly the mask at weight 1
+        kl_sum = masked_sum(old_log_probs - log_probs, tokens)
+        weighted_score = masked_sum(log_probs, tokens) / mask.sum(dim=-1)
+        correction = weights.scalars
     return ResponseScalars(
-        score=sequence_scores(log_probs, mask),
-        kl_sum=kl_sums(log_probs, old_log_probs, mask),
+        score=score,
+        kl_sum=kl_sum,
         num_tokens=mask.sum(dim=-1),
         correct=correct.bool(),
         group_id=group_ids.long(),
         microstep=torch.full_like(group_ids, microstep, dtype=torch.long),
         preference=preference,
+        weighted_score=weighted_score,
+        correction=correction,
     )
 
 
@@ -111,15 +153,24 @@ def positive_rewards(r: ResponseScalars, config: DRPOConfig, max_len: float) -> 
     return r.preference.to(r.score.dtype)
 
 
+def _nonzero(denominator: Tensor) -> Tensor:
+    """A KL's token count, 1 where none is left (every token masked: no KL, no penalty)."""
+    return torch.where(denominator > 0, denominator, 1.0)
+
+
 def _kl_penalty_term(r: ResponseScalars, config: DRPOConfig) -> tuple[Tensor, Tensor, Tensor]:
-    """Penalty, KL estimate and hinge-active fraction, per ``config.kl_estimate``."""
+    """Penalty, KL estimate and hinge-active fraction, per ``config.kl_estimate``; under a
+    rollout correction the estimate is weighted (``rollout_correction.kl_parts``)."""
     beta0 = config.effective_beta0
+    kl_sum, tokens = r.kl_sum, r.num_tokens.to(r.kl_sum.dtype)
+    if r.correction is not None:
+        kl_sum, tokens = kl_parts(r.kl_sum, r.correction)
     if config.kl_estimate == "minibatch":
-        kl = r.kl_sum.sum() / r.num_tokens.sum()
+        kl = kl_sum.sum() / _nonzero(tokens.sum())
         return kl_penalty(kl, config.delta, beta0), kl, (kl > config.delta).to(kl.dtype)
     index, num_steps = dense_group_index(r.microstep)
-    per_step = segment_sum(r.kl_sum, index, num_steps) / segment_sum(
-        r.num_tokens.to(r.kl_sum.dtype), index, num_steps
+    per_step = segment_sum(kl_sum, index, num_steps) / _nonzero(
+        segment_sum(tokens, index, num_steps)
     )
     penalty = kl_penalty(per_step, config.delta, beta0).mean()
     return penalty, per_step.mean(), (per_step > config.delta).to(per_step.dtype).mean()
@@ -138,6 +189,9 @@ def minibatch_loss(
     """
     lengths = r.num_tokens.to(r.score.dtype)
     rewards = positive_rewards(r, config, max_len)
+    correction = {}
+    if r.correction is not None:
+        correction = dict(log_weights=r.correction.log_weight, keep=r.correction.keep)
     terms = drpo_objective(
         r.score,
         r.correct,
@@ -146,6 +200,7 @@ def minibatch_loss(
         config.lam,
         config.tau,
         **config.objective_options(),
+        **correction,
     )
     penalty, kl, hinge = _kl_penalty_term(r, config)
     detached = lengths.detach()
@@ -163,6 +218,8 @@ def minibatch_loss(
         "response_length_incorrect": _mean_or_nan(detached, ~r.correct),
         "positive_reward_correct": _mean_or_nan(rewards.detach(), r.correct),
     }
+    if r.correction is not None:
+        metrics |= correction_metrics(r.correction, r.group_id, r.num_tokens)
     return terms.loss + penalty, metrics
 
 

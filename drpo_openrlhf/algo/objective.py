@@ -20,6 +20,7 @@ from torch import Tensor
 from drpo_openrlhf.algo.config import ObjectiveOptions
 from drpo_openrlhf.algo.groups import dense_group_index, segment_logsumexp, segment_sum
 from drpo_openrlhf.algo.learnable import group_has_signal
+from drpo_openrlhf.algo.rollout_correction import group_normalised
 from drpo_openrlhf.algo.weights import pass_rate_lambda, positive_log_weights
 
 if TYPE_CHECKING:  # typing.Unpack is Python 3.11's
@@ -49,6 +50,8 @@ def drpo_objective(
     all_correct_length_signal: bool = False,
     lambda_by_pass_rate: bool = False,
     pass_rate_prior: float = 0.0,
+    log_weights: Tensor | None = None,
+    keep: Tensor | None = None,
 ) -> DRPOTerms:
     """The DRPO loss of a batch and its diagnostics.
 
@@ -60,6 +63,17 @@ def drpo_objective(
       without moving the overall likelihood of correct answers.
     - ``lambda_by_pass_rate``: ``lambda_q = lambda / pass_rate(q)``, the rate shrunk by
       ``pass_rate_prior`` pseudo-samples towards 1/2 (see ``pass_rate_lambda``).
+
+    Rollout correction (``rollout_correction``; ``None``: the uncorrected objective, which
+    zero log weights and ``keep`` everywhere reproduce bit for bit):
+
+    - ``log_weights``: each response's log importance weight ``log rho``, self-normalised
+      within its group: added to the positives' softmax logits, and the negatives' mean
+      becomes ``sum rho exp(s/tau) / sum rho``; the all-correct signal's baseline
+      ``1/|S+|`` becomes ``rho / sum_{S+} rho``.
+    - ``keep``: responses outside it leave their group's sums, as if never sampled (a group
+      left without a correct or an incorrect response is treated as such; it still counts
+      in ``Q``). ``lambda_by_pass_rate`` still reads the group's sampled pass rate.
     """
     if not tau > 0:
         raise ValueError(f"tau must be positive, got {tau}")
@@ -67,25 +81,37 @@ def drpo_objective(
     if not (scores.shape == correct.shape == group_ids.shape == length_rewards.shape):
         raise ValueError("scores, correct, group_ids and length_rewards must have one shape (B,)")
     index, num_groups = dense_group_index(group_ids)
+    sampled = correct
     incorrect = ~correct
+    if keep is not None:
+        correct, incorrect = correct & keep, incorrect & keep
     n_pos = segment_sum(correct.to(scores.dtype), index, num_groups)
     n_neg = segment_sum(incorrect.to(scores.dtype), index, num_groups)
     has_pos, has_neg = n_pos > 0, n_neg > 0
 
     group_lam: float | Tensor = lam
     if lambda_by_pass_rate:
-        group_lam = pass_rate_lambda(lam, correct, group_ids, pass_rate_prior)
-    log_w = positive_log_weights(length_rewards.to(scores.dtype), correct, group_ids, group_lam)
+        group_lam = pass_rate_lambda(lam, sampled, group_ids, pass_rate_prior)
+    rewards = length_rewards.to(scores.dtype)
+    log_w = positive_log_weights(rewards, correct, group_ids, group_lam, log_weights)
     w = log_w.exp()
     positive = segment_sum(w * scores, index, num_groups)
-    lse = segment_logsumexp(scores / tau, index, num_groups, incorrect)
-    log_n_neg = torch.log(n_neg.clamp(min=1.0))
+    if log_weights is None:
+        lse = segment_logsumexp(scores / tau, index, num_groups, incorrect)
+        log_n_neg = torch.log(n_neg.clamp(min=1.0))
+        baseline = torch.where(correct, 1.0 / n_pos.clamp(min=1.0)[index], 0.0)
+    else:  # the weighted mean: lse(s/tau + log rho) - lse(log rho)
+        log_weights = log_weights.to(scores.dtype)
+        lse = segment_logsumexp(scores / tau + log_weights, index, num_groups, incorrect)
+        norm = segment_logsumexp(log_weights, index, num_groups, incorrect)
+        log_n_neg = torch.where(has_neg, norm, 0.0)
+        baseline = group_normalised(log_weights, correct, index, num_groups)
     negative = tau * torch.where(has_neg, lse - log_n_neg, 0.0)
 
     valid = has_pos & has_neg
     # each kind of group's term: a mixed group's, an all-wrong group's negative term, an
     # all-correct group's zero-mean length signal; ``group_has_signal`` says which count
-    centred = (w - torch.where(correct, 1.0 / n_pos.clamp(min=1.0)[index], 0.0)) * scores
+    centred = (w - baseline) * scores
     easy = segment_sum(centred, index, num_groups)
     term = torch.where(valid, positive - negative, torch.where(has_pos, easy, -negative))
     counted = group_has_signal(

@@ -16,14 +16,20 @@ from drpo_openrlhf.algo.groups import dense_group_index, segment_logsumexp, segm
 
 
 def positive_log_weights(
-    length_rewards: Tensor, correct: Tensor, group_ids: Tensor, lam: float | Tensor
+    length_rewards: Tensor,
+    correct: Tensor,
+    group_ids: Tensor,
+    lam: float | Tensor,
+    log_prior: Tensor | None = None,
 ) -> Tensor:
     """``log w_hat`` for correct responses and ``-inf`` for incorrect ones, shape (B,).
 
     ``lam`` is a float or a per-response tensor (the same value within a prompt);
     ``lam = inf`` gives equal weights ``1/|S+_q|``, i.e. DisCO. Computed in float64 (these are
     per-response scalars): ``r/lambda`` reaches 1e3 for lambda = 1e-3, where float32 rounding
-    alone would move the weights by 1e-5.
+    alone would move the weights by 1e-5. ``log_prior``: a log weight added to each logit,
+    the importance weight of a response sampled from another distribution than pi_old
+    (``rollout_correction``; 0 changes nothing).
     """
     dtype = length_rewards.dtype
     length_rewards = length_rewards.double()
@@ -32,6 +38,8 @@ def positive_log_weights(
         raise ValueError(f"lambda must be positive (inf allowed), got {lam}")
     index, num_groups = dense_group_index(group_ids)
     logits = length_rewards / lam_t  # r / inf == 0: equal weights without a special case
+    if log_prior is not None:
+        logits = logits + log_prior.double()
     log_norm = segment_logsumexp(logits, index, num_groups, correct)
     neg_inf = logits.new_full((), float("-inf"))
     log_w = torch.where(correct, logits - torch.where(correct, log_norm[index], 0.0), neg_inf)

@@ -42,6 +42,15 @@ def with_rollout_logprobs(create_vllm_engines):
     return create
 
 
+def hide_ppo_correction(args) -> None:
+    """Turn OpenRLHF's importance-sampling correction off in a DRPO run's nested ``args``: DRPO
+    reads the flags into ``DRPOConfig.rollout_correction`` and replaces the PPO loss, whose
+    constructor would refuse DRPO's sequence-level clip (the truncated sequence weight). The
+    flag's other effects, the engines' log-probs of the sampled tokens after temperature,
+    every run asks for (``with_rollout_logprobs``, ``ray_actors``)."""
+    args.algo.advantage.is_correction_level = "off"
+
+
 # every worker of a CPU run calls it first: the CPU patches, and the exit without teardown
 CPU_WORKER_SETUP_HOOK = "drpo_openrlhf.runtime.cpu_support.enable"
 
@@ -156,6 +165,8 @@ def run_openrlhf(openrlhf_argv: list[str], run: RunOptions) -> None:
             nested = hierarchize(args)
             nested.drpo = run.drpo
             nested.drpo_run = run
+            if not run.method:  # DRPO's correction is run.drpo's (see hide_ppo_correction)
+                hide_ppo_correction(nested)
             if param_dtype:  # fp32 is no choice of OpenRLHF's flag, but of its DeepSpeed config
                 nested.ds.param_dtype = param_dtype
             return nested

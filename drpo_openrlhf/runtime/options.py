@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 
 from drpo_openrlhf.algo import DRPOConfig
+from drpo_openrlhf.algo.rollout_correction import CORRECTION_FLAGS, rollout_correction
 from drpo_openrlhf.flags import flag
 from drpo_openrlhf.rewards import answer_format, positive_reward
 from drpo_openrlhf.rewards._plugin import env_flag
@@ -45,8 +46,18 @@ class RunOptions:
 
 
 def drpo_config(args: argparse.Namespace) -> DRPOConfig:
-    """``DRPOConfig`` from its ``--drpo.<field>`` flags, as given."""
-    return DRPOConfig(**{f.name: flag(args, f"drpo.{f.name}") for f in fields(DRPOConfig)})
+    """``DRPOConfig`` from its ``--drpo.<field>`` flags, as given, and a DRPO run's rollout
+    correction from OpenRLHF's ``--algo.advantage.is_correction_*`` (a baseline's PPO loss
+    reads those itself)."""
+    given = {
+        f.name: flag(args, f"drpo.{f.name}")
+        for f in fields(DRPOConfig)
+        if f.name != "rollout_correction"
+    }
+    if not flag(args, "shaping.method"):
+        flags = (flag(args, name) for name in CORRECTION_FLAGS)
+        given["rollout_correction"] = rollout_correction(*flags)
+    return DRPOConfig(**given)
 
 
 def check_step_limits(args: argparse.Namespace) -> None:

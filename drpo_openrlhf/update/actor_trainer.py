@@ -76,6 +76,7 @@ from drpo_openrlhf.algo import (
     surrogate_loss,
 )
 from drpo_openrlhf.algo.learning_signal import signal_diagnostics
+from drpo_openrlhf.algo.rollout_correction import CorrectionScalars, RolloutWeights, rollout_weights
 from drpo_openrlhf.rewards.positive_engine import POSITIVE_KEY
 from drpo_openrlhf.update.keys import GROUP_KEY, SLOT_KEY, correctness
 from drpo_openrlhf.update.layout import (
@@ -123,8 +124,10 @@ def all_gather_scalars(
 
     Ranks may hold different numbers of responses (dynamic batching), so every rank's count
     is given (``all_gather_counts``) and the columns are padded to the largest one for the
-    collective. Every rank carries a positive-reward column or none (``DRPOConfig``)."""
+    collective. Every rank carries a positive-reward column or none, and the rollout
+    correction's or none (``DRPOConfig``)."""
     preference = [] if local.preference is None else [local.preference.detach().double()]
+    correction = [] if local.correction is None else local.correction.columns()
     columns = torch.stack(
         [
             local.score.detach().double(),
@@ -134,6 +137,7 @@ def all_gather_scalars(
             local.group_id.double(),
             local.microstep.double(),
             *preference,
+            *correction,
         ]
     )
     padded = F.pad(columns, (0, max(counts) - columns.shape[1]))
@@ -141,7 +145,18 @@ def all_gather_scalars(
     dist.all_gather(parts, padded, group=group)
     merged = torch.cat([p[:, :c] for p, c in zip(parts, counts, strict=True)], dim=1)
     s, kl, tokens, correct, prompt, micro, *carried = merged
-    gathered = ResponseScalars(s, kl, tokens, correct.bool(), prompt.long(), micro.long(), *carried)
+    preferred = carried.pop(0) if preference else None
+    corrected = CorrectionScalars.from_columns(carried) if correction else None
+    gathered = ResponseScalars(
+        s,
+        kl,
+        tokens,
+        correct.bool(),
+        prompt.long(),
+        micro.long(),
+        preferred,
+        correction=corrected,
+    )
     return gathered, sum(counts[: dist.get_rank(group)])
 
 
@@ -292,6 +307,7 @@ class DRPOActorTrainer(ActorPPOTrainer):
         """Scalars of one micro-batch; ``use_old`` reads pi_old's log-probs instead of a forward.
         Under ``drpo_forward_is_old`` the forward's log-probs replace pi_old's (they are pi_old's,
         rounded in this micro-batch), so that the step's KL estimate is exactly zero."""
+        weights = self._rollout_weights(batch)  # from pi_old as scored: the same in each pass
         if use_old:
             log_probs = batch.action_log_probs
         else:
@@ -312,6 +328,21 @@ class DRPOActorTrainer(ActorPPOTrainer):
             group_ids.to(log_probs.device),
             microstep,
             self._preference(batch, log_probs.device),
+            weights,
+        )
+
+    def _rollout_weights(self, batch) -> RolloutWeights | None:
+        """The rollout correction's weights of a micro-batch (``rollout_correction``), or None."""
+        correction = self.drpo.rollout_correction
+        if not correction.enabled:
+            return None
+        if batch.rollout_log_probs is None:
+            raise ValueError(
+                "--algo.advantage.is_correction_level: the rollout reached the actor without "
+                "the vLLM engines' log-probs (ray_actors._sampling_params_with_logprobs)"
+            )
+        return rollout_weights(
+            correction, batch.action_log_probs, batch.rollout_log_probs, batch.action_mask
         )
 
     def _preference(self, batch, device: torch.device) -> Tensor | None:
@@ -431,7 +462,7 @@ class DRPOActorTrainer(ActorPPOTrainer):
         device = r.score.device
         engine = self.actor.model
         engine.set_gradient_accumulation_boundary(last)
-        loss = surrogate_loss(r.score, r.kl_sum, score_coef.to(device), kl_coef.to(device))
+        loss = surrogate_loss(r.gradient_score, r.kl_sum, score_coef.to(device), kl_coef.to(device))
         # undo DeepSpeed's 1/GAS and its mean over data-parallel ranks. Under ring attention
         # DeepSpeed averages over the ring ranks too, but the ranks of a ring group
         # back-propagate the same loss, which the log-prob gather's backward sums over the
