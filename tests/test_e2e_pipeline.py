@@ -8,8 +8,10 @@ every run no actor or vLLM engine process may be left. ``pytest -m e2e`` runs th
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -229,3 +231,35 @@ def test_drpo_zero3_one_rank_then_rloo_lp_from_the_model_it_saved(toy, ray_addre
     assert all(math.isfinite(v) for v in logged["train/policy_loss"].values())
     assert max(logged["train/drpo/rollout_logprob_gap"].values()) < 0.05
     assert changed_tensors(out / "model", first / "model")
+
+
+# 80 s on 2 cores beside other runs (load 2-3), of which its two steps 4 s
+def test_dynamic_filtering_trains_on_learnable_groups_only(toy, ray_address, tmp_path):
+    """``--algo.dynamic_filtering_enable`` under DRPO: every other prompt carries a label no
+    sum has, so its group is all wrong (the toy policy also answers some prompts right every
+    time); each step trains on a full rollout of groups DRPO learns from (mixed ones, by
+    default), refilled from new prompts, and its line says what that took."""
+    rows = [json.loads(line) for line in toy["train"].read_text().splitlines()]
+    for row in rows[1::2]:
+        row["label"] = "-7"
+    data = tmp_path / "half_unanswerable.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "run"
+    done = train(
+        {**toy, "train": data}, out, "--algo.dynamic_filtering_enable", ray_address=ray_address
+    )
+    assert done.returncode == 0, done.output[-3000:]
+    lines = re.findall(r"drpo_openrlhf: step \d+: .*", done.output)
+    assert len(lines) == 2, lines
+    generated = []
+    for line in lines:  # a full rollout of 4 groups, all learnable
+        found = re.search(r"learnable groups 4/4, filter kept 4 of (\d+) prompts", line)
+        assert found, line
+        generated.append(int(found[1]))
+    assert sum(generated) > 8, lines  # the unanswerable prompts drawn were dropped
+    logged = assert_drpo_trained(out, toy["base"], steps=2)
+    assert set(logged["train/drpo/valid_prompt_fraction"].values()) == {1.0}  # mixed only
+    expected = {step + 1: 1 - 4 / g for step, g in enumerate(generated)}
+    assert logged["train/rollout/filtered_prompt_fraction"] == pytest.approx(expected)
+    rate = {step: 100 * (1 - f) for step, f in expected.items()}  # prompts, not responses
+    assert logged["train/dynamic_filtering_pass_rate"] == pytest.approx(rate)
