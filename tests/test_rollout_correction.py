@@ -288,6 +288,13 @@ def test_the_applied_gradient_is_the_corrected_objectives(names, kl_estimate):
     expected = data["policy"].weight.grad
     assert metrics["hinge_active"] > 0  # the penalty's gradient is part of it
     assert (grad - expected).abs().max() < 1e-10 * expected.abs().max()
+    # and the one-piece loss's own autograd (the exactness harness's reference)
+    parts = [scalars(data, idx, correction, step=k) for k, idx in enumerate(microsteps)]
+    data["policy"].zero_grad()
+    config = config_of(correction, **options)
+    minibatch_loss(ResponseScalars.concat(parts), config, MAX_T)[0].backward()
+    one_piece = data["policy"].weight.grad
+    assert (one_piece - expected).abs().max() < 1e-10 * expected.abs().max()
     plain, _ = split_gradient(data, None, microsteps, config_of(None, **options))
     assert (grad - plain).abs().max() > 1e-3 * expected.abs().max()  # the correction acts
 

@@ -176,6 +176,25 @@ def _kl_penalty_term(r: ResponseScalars, config: DRPOConfig) -> tuple[Tensor, Te
     return penalty, per_step.mean(), (per_step > config.delta).to(per_step.dtype).mean()
 
 
+class _ValueWithGradientOf(torch.autograd.Function):
+    """``value``'s value with ``carrier``'s gradient: a score whose gradient carries token
+    weights (``ResponseScalars.weighted_score``) while the objective reads its plain value."""
+
+    @staticmethod
+    def forward(ctx, value: Tensor, carrier: Tensor) -> Tensor:
+        return value.detach().clone()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[None, Tensor]:
+        return None, grad
+
+
+def _objective_score(r: ResponseScalars) -> Tensor:
+    if r.weighted_score is None:
+        return r.score
+    return _ValueWithGradientOf.apply(r.score, r.weighted_score)
+
+
 def _mean_or_nan(values: Tensor, mask: Tensor) -> Tensor:
     return values[mask].mean() if mask.any() else values.new_full((), math.nan)
 
@@ -185,7 +204,9 @@ def minibatch_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """True mini-batch loss ``-(1/Q) sum_q J_q + penalty(KL)`` and its metrics.
 
-    ``max_len`` is the length-reward ``C`` when ``config.max_len`` is unset.
+    ``max_len`` is the length-reward ``C`` when ``config.max_len`` is unset. Its gradient
+    is the corrected objective's under a rollout correction too: the scores' values, their
+    ``weighted_score``'s gradient.
     """
     lengths = r.num_tokens.to(r.score.dtype)
     rewards = positive_rewards(r, config, max_len)
@@ -193,7 +214,7 @@ def minibatch_loss(
     if r.correction is not None:
         correction = dict(log_weights=r.correction.log_weight, keep=r.correction.keep)
     terms = drpo_objective(
-        r.score,
+        _objective_score(r),
         r.correct,
         r.group_id,
         rewards,
@@ -243,7 +264,12 @@ def loss_coefficients(
     kl_sum = r.kl_sum.detach().double().requires_grad_(True)
     preference = None if r.preference is None else r.preference.double()
     leaf = replace(
-        r, score=score, kl_sum=kl_sum, num_tokens=r.num_tokens.double(), preference=preference
+        r,
+        score=score,
+        kl_sum=kl_sum,
+        num_tokens=r.num_tokens.double(),
+        preference=preference,
+        weighted_score=None,  # dL/ds: the scores' own coefficients
     )
     loss, metrics = minibatch_loss(leaf, config, max_len)
     score_coef, kl_coef = torch.autograd.grad(loss, [score, kl_sum])
