@@ -52,7 +52,6 @@ REJECTED_FLAGS = {
     "--actor.entropy_coef": "DRPO has no entropy bonus (as in the paper); drop it",
     "--algo.kl.use_loss": "DRPO's KL term is its trust region (--drpo.delta/--drpo.beta0)",
     "--train.max_epochs": "DRPO takes one pass over each rollout (Algorithm 1); drop it",
-    "--train.async_enable": "asynchronous training uses another trainer; drop it for DRPO",
 }
 
 
@@ -323,6 +322,19 @@ def refuse_sleep_with_bf16_optimizer(args: argparse.Namespace) -> None:
         )
 
 
+def refuse_partial_rollout_with_prefix_cache(args: argparse.Namespace) -> None:
+    """Under partial rollout a weight sync pauses responses and keeps their KV cache, so
+    vLLM's prefix cache cannot be emptied then (its blocks are in use): a request after the
+    sync would reuse a prompt's keys and values computed by the old weights, and the
+    responses' weight versions (``algo/policy_lag.py``) would not say what sampled them."""
+    if flag(args, "train.partial_rollout_enable") and flag(args, "vllm.enable_prefix_caching"):
+        raise ValueError(
+            "--train.partial_rollout_enable with --vllm.enable_prefix_caching: a request after "
+            "a weight sync would reuse prompt keys and values the previous weights computed "
+            "(the paused responses hold the cache); drop one of the two (docs/async.md)"
+        )
+
+
 def check_inputs(args: argparse.Namespace) -> None:
     """Model, reward file and local datasets, before anything starts (``preflight``); the
     model's files against the run (``checkpoint_check``), whose warnings go to stderr."""
@@ -380,6 +392,7 @@ def parse(argv: list[str]) -> tuple[DRPOConfig, RunOptions, list[str]]:
         else:
             validate(args, parser)
         refuse_sleep_with_bf16_optimizer(args)
+        refuse_partial_rollout_with_prefix_cache(args)
         check_inputs(args)
         options = build_options(args)
         openrlhf_argv = with_defaults(openrlhf_args_of(argv), defaults)

@@ -138,6 +138,145 @@ TABLE: tuple[Patch, ...] = (
         ),
     ),
     Patch(
+        site="driver",
+        module="openrlhf.trainer.ppo_trainer_async",
+        symbol="PPOTrainerAsync",
+        kind=REPLACED,
+        why="the asynchronous trainer (--train.async_enable): DRPO's lock, generator and trainer",
+        source="openrlhf/trainer/ppo_trainer_async.py",
+        ours="drpo_openrlhf.runtime.async_trainer.DRPOAsyncTrainer",
+        signature="(*args, **kwargs)",
+    ),
+    Patch(
+        site="async_trainer",
+        module="openrlhf.trainer.ppo_trainer_async",
+        symbol="VLLMLock",
+        kind=REPLACED,
+        why="the lock, with what generator and trainer share: versions, the pending probe",
+        source="openrlhf/trainer/ppo_trainer_async.py",
+        ours="drpo_openrlhf.runtime.async_trainer.AsyncRunBoard",
+        signature="(*args, **kwargs)",
+    ),
+    Patch(
+        site="async_trainer",
+        module="openrlhf.trainer.ppo_trainer_async",
+        symbol="GenerateSamplesActor",
+        kind=REPLACED,
+        why="the generator: probes before each rollout, stops, --drpo.max_steps, last evaluation",
+        source="openrlhf/trainer/ppo_trainer_async.py",
+        ours="drpo_openrlhf.runtime.async_trainer.DRPOGenerateSamplesActor",
+        signature="(*args, **kwargs)",
+    ),
+    Patch(
+        site="async_trainer",
+        module="openrlhf.trainer.ppo_trainer_async",
+        symbol="TrainingActor",
+        kind=REPLACED,
+        why="the trainer: the synchronous path's hooks, checked syncs, the policy lag",
+        source="openrlhf/trainer/ppo_trainer_async.py",
+        ours="drpo_openrlhf.runtime.async_trainer.DRPOTrainingActor",
+        signature="(*args, **kwargs)",
+    ),
+    Patch(
+        site=None,
+        module="openrlhf.trainer.ppo_trainer_async",
+        symbol="PPOTrainerAsync.__ray_actor_class__.__init__",
+        kind=OVERRIDDEN,
+        why="installs DRPO's lock, generator and trainer in the module before building them",
+        source="openrlhf/trainer/ppo_trainer_async.py",
+        ours="drpo_openrlhf.runtime.async_trainer.DRPOAsyncTrainer",
+        signature=(
+            "(self, pretrain: str, strategy: openrlhf.utils.deepspeed.deepspeed.DeepspeedStrategy,"
+            " actor_model_group: openrlhf.trainer.ray.launcher.RayActorGroup, critic_model_group: "
+            "openrlhf.trainer.ray.launcher.RayActorGroup, reward_model_group: "
+            "openrlhf.trainer.ray.launcher.RayActorGroup, reference_model_group: "
+            "openrlhf.trainer.ray.launcher.RayActorGroup, vllm_engines, *, _ray_trace_ctx=None, "
+            "**generate_kwargs) -> None"
+        ),
+    ),
+    Patch(
+        site=None,
+        module="openrlhf.trainer.ppo_trainer_async",
+        symbol="VLLMLock.__ray_actor_class__.__init__",
+        kind=OVERRIDDEN,
+        why="the shared state beside OpenRLHF's lock",
+        source="openrlhf/trainer/ppo_trainer_async.py",
+        ours="drpo_openrlhf.runtime.async_trainer.AsyncRunBoard",
+        signature="(self, *, _ray_trace_ctx=None)",
+    ),
+    Patch(
+        site=None,
+        module="openrlhf.trainer.ppo_trainer_async",
+        symbol="GenerateSamplesActor.__ray_actor_class__.__init__",
+        kind=OVERRIDDEN,
+        why=(
+            "the stoppable, probing generator; its rollout_queue wrapped to evaluate the last "
+            "step before 'done'"
+        ),
+        source="openrlhf/trainer/ppo_trainer_async.py",
+        ours="drpo_openrlhf.runtime.async_trainer.DRPOGenerateSamplesActor",
+        signature=(
+            "(self, pretrain, strategy, vllm_engines, *, vllm_lock, rollout_queue, "
+            "rollout_slots, _ray_trace_ctx=None, **generate_kwargs)"
+        ),
+    ),
+    Patch(
+        site=None,
+        module="openrlhf.trainer.ppo_trainer_async",
+        symbol="GenerateSamplesActor.__ray_actor_class__.fit",
+        kind=OVERRIDDEN,
+        why="a stop request ends the generation with 'done' (the trainer saves)",
+        source="openrlhf/trainer/ppo_trainer_async.py",
+        ours="drpo_openrlhf.runtime.async_trainer.DRPOGenerateSamplesActor",
+        signature=(
+            "(self, episode: int, total_consumed_prompts: int, *, _ray_trace_ctx=None) -> None"
+        ),
+    ),
+    Patch(
+        site=None,
+        module="openrlhf.trainer.ppo_trainer_async",
+        symbol="TrainingActor.__ray_actor_class__.__init__",
+        kind=OVERRIDDEN,
+        why="installs the trainer hooks (experience maker, engine tags, answer format)",
+        source="openrlhf/trainer/ppo_trainer_async.py",
+        ours="drpo_openrlhf.runtime.async_trainer.DRPOTrainingActor",
+        signature=(
+            "(self, pretrain, strategy, actor_model_group, critic_model_group, "
+            "reward_model_group, reference_model_group, vllm_engines, *, vllm_lock, "
+            "rollout_queue, rollout_slots, _ray_trace_ctx=None)"
+        ),
+    ),
+    Patch(
+        site=None,
+        module="openrlhf.trainer.ppo_trainer_async",
+        symbol="TrainingActor.__ray_actor_class__.fit",
+        kind=OVERRIDDEN,
+        why="ends the run on stop requests and learning-signal stops",
+        source="openrlhf/trainer/ppo_trainer_async.py",
+        ours="drpo_openrlhf.runtime.async_trainer.DRPOTrainingActor",
+        signature="(self, global_step: int = 0, *, _ray_trace_ctx=None) -> None",
+    ),
+    Patch(
+        site=None,
+        module="openrlhf.trainer.ppo_trainer_async",
+        symbol="TrainingActor.__ray_actor_class__.broadcast_to_vllm",
+        kind=OVERRIDDEN,
+        why="its parent's sync (inside its lock or pause) is the checked one; the version posted",
+        source="openrlhf/trainer/ppo_trainer_async.py",
+        ours="drpo_openrlhf.runtime.async_trainer.DRPOTrainingActor",
+        signature="(self, *, _ray_trace_ctx=None)",
+    ),
+    Patch(
+        site=None,
+        module="openrlhf.trainer.ppo_utils.samples_generator",
+        symbol="SamplesGenerator",
+        kind=CLASS_SWAP,
+        why="asynchronous runs: weight probes under the lock before each rollout; max steps",
+        source="openrlhf/trainer/ppo_utils/samples_generator.py",
+        ours="drpo_openrlhf.runtime.async_trainer.AsyncSamplesGenerator",
+        signature="(strategy, prompts_dataloader, eval_dataloader, tokenizer, vllm_engines: List)",
+    ),
+    Patch(
         site="cpu_torch",
         module="torch.cuda",
         symbol="current_device",

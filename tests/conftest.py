@@ -60,6 +60,7 @@ PIPELINE_MODULES = frozenset(
     {  # every module with a test marked e2e or a local Ray cluster (both checked at
         # collection) but the Slurm ones
         "test_e2e_pipeline.py",
+        "test_e2e_async.py",
         "test_e2e_interrupt.py",
         "test_e2e_positive_reward.py",
         "test_e2e_real_model.py",

@@ -32,7 +32,7 @@ from drpo_openrlhf.algo.weight_probe import (
 from drpo_openrlhf.runtime import ray_actors
 from drpo_openrlhf.runtime.graceful_stop import RolloutCanceller
 from drpo_openrlhf.runtime.openrlhf_cli import openrlhf_parser
-from drpo_openrlhf.sync import sync_check
+from drpo_openrlhf.sync import sync_check, weight_version
 
 ACTOR = [-1.0, -2.5, -0.25, -3.0]
 
@@ -167,6 +167,7 @@ class Engine:
         self.sleep = Remote(lambda level=1: calls.append("sleep"))
         self.begin_weight_sync = Remote(lambda: None)
         self.weight_sync_report = Remote(lambda: [])
+        self.set_weight_version = Remote(lambda version: version)
 
         def probe(ids):
             calls.append(f"probe engine {index}")
@@ -194,7 +195,7 @@ def run(tmp_path, monkeypatch):
     requests, which are recorded as ``generate``."""
     calls: list[str] = []
     identity = SimpleNamespace(get=lambda refs: refs)
-    for module in (sync_check, ppo_trainer, vllm_engine, samples_generator):
+    for module in (sync_check, weight_version, ppo_trainer, vllm_engine, samples_generator):
         monkeypatch.setattr(module, "ray", identity)
     monkeypatch.setattr(sync_check, "check_sync", lambda *a, **k: calls.append("check"))
 

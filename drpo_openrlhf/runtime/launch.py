@@ -110,9 +110,10 @@ def run_openrlhf(openrlhf_argv: list[str], run: RunOptions) -> None:
     """``python -m openrlhf.cli.train_ppo_ray <openrlhf_argv>`` with DRPO's update, or, when
     ``run.method`` names a baseline, with PPO on shaped rewards; ``run.max_steps`` ends it.
 
-    OpenRLHF's ``__main__`` looks up ``PolicyModelActor``, ``PPOTrainer``,
-    ``create_vllm_engines`` and ``hierarchize`` at run time, so replacing the module
-    attributes before ``runpy`` runs it is enough: its own parsing, validation, placement
+    OpenRLHF's ``__main__`` looks up ``PolicyModelActor``, ``PPOTrainer`` (or
+    ``PPOTrainerAsync``), ``create_vllm_engines`` and ``hierarchize`` at run time, so
+    replacing the module attributes before ``runpy`` runs it is enough: its own parsing,
+    validation, placement
     groups, vLLM engines, checkpoints and logging stay untouched. ``run`` (the entry point's
     ``runtime/options.RunOptions``) travels to every Ray actor inside ``strategy.args`` as
     ``args.drpo_run``, its ``DRPOConfig`` also as ``args.drpo``. GPU or CPU is decided
@@ -152,6 +153,7 @@ def run_openrlhf(openrlhf_argv: list[str], run: RunOptions) -> None:
         with process_tree.keeping_sigterm():
             init_cpu_ray(args, cluster.address)
 
+    from drpo_openrlhf.runtime.async_trainer import DRPOAsyncTrainer
     from drpo_openrlhf.runtime.ray_actors import (
         BaselinePolicyModelActor,
         CPURolloutRayActor,
@@ -180,6 +182,7 @@ def run_openrlhf(openrlhf_argv: list[str], run: RunOptions) -> None:
             "PolicyModelActor": BaselinePolicyModelActor if run.method else DRPOPolicyModelActor,
             "RolloutRayActor": CPURolloutRayActor if cpu else GPURolloutRayActor,
             "PPOTrainer": GroupAwarePPOTrainer,
+            "PPOTrainerAsync": DRPOAsyncTrainer,  # --train.async_enable (async_trainer.py)
             "create_vllm_engines": with_rollout_logprobs,
         },
     )

@@ -15,6 +15,7 @@ from contextlib import nullcontext
 from dataclasses import asdict
 
 import ray
+import torch
 from openrlhf.trainer import ppo_trainer
 from openrlhf.trainer.ppo_utils import samples_generator
 from openrlhf.trainer.ray import ppo_actor, vllm_engine
@@ -22,7 +23,8 @@ from ray.exceptions import TaskCancelledError
 
 from drpo_openrlhf import upstream
 from drpo_openrlhf.algo import DRPOConfig
-from drpo_openrlhf.algo.logprob_gap import GapLimit, gaps_by_engine, pooled_gap
+from drpo_openrlhf.algo.logprob_gap import GapLimit, gaps_by_engine, logprob_gap, pooled_gap
+from drpo_openrlhf.algo.policy_lag import PolicyLag, fresh_rows, policy_lag
 from drpo_openrlhf.algo.shaper import GroupRewardShaper
 from drpo_openrlhf.rewards.positive_engine import PositiveRewardEngine
 from drpo_openrlhf.rewards.reward_guard import RewardOptionsEngine, guard_engine_rewards
@@ -53,6 +55,12 @@ from drpo_openrlhf.sync.sync_check import (
     VerifiedSyncTrainer,
 )
 from drpo_openrlhf.sync.vllm_sync_worker import GPU_WORKER_EXTENSION
+from drpo_openrlhf.sync.weight_version import (
+    WeightVersionEngine,
+    pop_version_tags,
+    response_versions,
+    tag_version,
+)
 from drpo_openrlhf.update import chunked_actor
 from drpo_openrlhf.update.actor_trainer import DRPOActorTrainer, FiniteCheckedPPOTrainer
 from drpo_openrlhf.update.experience import GroupTaggingExperienceMaker
@@ -129,25 +137,41 @@ def gap_state_for(saved: dict | None, param_dtype: str) -> tuple[dict | None, st
     )
 
 
-def rollout_logprob_stats(experiences: list, limit: GapLimit, step: int) -> dict[str, float]:
+def rollout_logprob_stats(
+    experiences: list, limit: GapLimit, step: int, fresh: list[list[bool]] | None = None
+) -> dict[str, float]:
     """The rollout's mean |vLLM - actor| token log-prob gap per engine
     (``drpo/rollout_logprob_gap/engine_<i>``), pooled over engines
     (``drpo/rollout_logprob_gap``), its largest token (``_max``), the per-engine limit that
     applied (``_limit``) and the honest gap it derives from (``_honest``); raises
-    ``LogprobGapError`` naming the engines over the limit and the step."""
-    batches = [
-        (engine_tags(e), e.rollout_log_probs, e.action_log_probs, e.action_mask)
-        for e in experiences
-        if e.rollout_log_probs is not None
-    ]
+    ``LogprobGapError`` naming the engines over the limit and the step.
+
+    ``fresh`` says, per experience, which rows were sampled by the very weights the actor
+    scored them with (all when None). Only those are held to the limit: the others' gap holds
+    the policy's own change since (asynchronous training, ``algo.policy_lag``), and is logged
+    as ``drpo/rollout_logprob_gap_lagged``; the weights they were sampled by were checked at
+    their sync."""
+    batches, lagged = [], []
+    for e, rows in zip(experiences, fresh or [None] * len(experiences), strict=True):
+        if e.rollout_log_probs is None:
+            continue
+        mask = e.action_mask.bool()
+        if rows is not None:
+            rows = torch.tensor(rows, dtype=torch.bool)[:, None]
+            lagged.append(logprob_gap(e.rollout_log_probs, e.action_log_probs, mask & ~rows))
+            mask = mask & rows
+        batches.append((engine_tags(e), e.rollout_log_probs, e.action_log_probs, mask))
+    stats = {}
+    if any(count for _, _, count in lagged):
+        stats["drpo/rollout_logprob_gap_lagged"] = pooled_gap(lagged)[0]
     gaps = gaps_by_engine(batches)
     if not gaps:
-        return {}
+        return stats
     limit_value, line = limit.check(gaps, step)
     if line:
         print(f"drpo_openrlhf: {line}", flush=True)  # a Ray actor logs no INFO
     mean, largest = pooled_gap(gaps.values())
-    stats = {
+    stats |= {
         "drpo/rollout_logprob_gap": mean,
         "drpo/rollout_logprob_gap_max": largest,
         "drpo/rollout_logprob_gap_limit": limit_value,
@@ -246,17 +270,28 @@ class StoppableSamplesGenerator(
         return samples
 
 
-class _GroupAwarePPOTrainer(VerifiedSyncTrainer, ppo_trainer.PPOTrainer.__ray_actor_class__):
-    """Installs the experience-maker hook: group tags for DRPO, reward shaping for baselines;
-    keeps the shaper's state (HAPO's history) in OpenRLHF's checkpoints; prints each rollout's
-    step line and stops a run without a learning signal before its update (``signal_watch``);
-    stops the run after ``--drpo.max_steps`` rollout steps (after that step's evaluation, when
-    one is due), or at the next safe point once a stop is requested, with a checkpoint of the
-    last finished step (``graceful_stop``)."""
+def install_samples_generator(generator, cls: type) -> None:
+    """``cls`` (a ``StoppableSamplesGenerator``) as the class of OpenRLHF's samples generator,
+    with its canceller, and vLLM asked for every sampled token's log-prob in this process."""
+    upstream.apply("ppo_trainer", {"SamplingParams": _sampling_params_with_logprobs})
+    upstream.swap_class(generator, cls)
+    generator.canceller = RolloutCanceller(generator.args.ckpt.path, ray.cancel)
 
-    def __init__(self, *args, **kwargs):
-        upstream.apply("ppo_trainer", {"SamplingParams": _sampling_params_with_logprobs})
-        super().__init__(*args, **kwargs)
+
+class TrainerHooks:
+    """What DRPO's driver-side trainer adds to OpenRLHF's, synchronous
+    (``_GroupAwarePPOTrainer``) or asynchronous (``async_trainer``), installed by
+    ``_install_trainer_hooks`` once OpenRLHF's constructor ran: the experience-maker hook
+    (group tags for DRPO, reward shaping for baselines); the shaper's state (HAPO's history) in
+    OpenRLHF's checkpoints; each rollout's policy lag, log-prob gap and step line, and the stop
+    of a run without a learning signal before its update (``signal_watch``); the stop after
+    ``--drpo.max_steps`` rollout steps, or at the next safe point once a stop is requested,
+    with a checkpoint of the last finished step (``graceful_stop``)."""
+
+    _shows_policy_lag = False  # the step line names the policy lag (asynchronous runs)
+    _policy_lag_bound: int | None = 0  # the most a response may lag: none behind, in sync
+
+    def _install_trainer_hooks(self) -> None:
         run = self.args.drpo_run
         self._gap_limit = GapLimit(run.max_logprob_gap, run.verify_weight_sync)
         # the calls below wait on the engines: one that failed to start is named first
@@ -272,8 +307,6 @@ class _GroupAwarePPOTrainer(VerifiedSyncTrainer, ppo_trainer.PPOTrainer.__ray_ac
         else:
             upstream.swap_class(self.experience_maker, GroupTaggingExperienceMaker)
             configure_positive_reward(self.vllm_engines, self.args)
-        upstream.swap_class(self.samples_generator, StoppableSamplesGenerator)
-        self.samples_generator.canceller = RolloutCanceller(self.args.ckpt.path, ray.cancel)
         self._step_times = StepTimes(self.args.ckpt.path)
         # (step, client states at its end, saved?) of the last finished step of this run
         self._finished: tuple[int, dict, bool] | None = None
@@ -289,14 +322,33 @@ class _GroupAwarePPOTrainer(VerifiedSyncTrainer, ppo_trainer.PPOTrainer.__ray_ac
     def _compute_rollout_stats(self, experiences):
         stats = super()._compute_rollout_stats(experiences)
         step = getattr(self, "_rollout_step", 0)
-        stats.update(rollout_logprob_stats(experiences, self._gap_limit, step))
-        pop_engine_tags(experiences)  # not a metric for the actors to log
+        versions = [response_versions(e) for e in experiences]
+        lag = self._policy_lag([v for rows in versions for v in rows], step)
+        fresh = [fresh_rows(rows, self._weights_version) for rows in versions]
+        stats.update(rollout_logprob_stats(experiences, self._gap_limit, step, fresh))
+        stats.update(lag.metrics())
+        pop_engine_tags(experiences)  # not metrics for the actors to log
+        pop_version_tags(experiences)
         if self._shaper is not None:
             stats.update(advantage_signal_stats(experiences))
-        stats.update(self._watch_signal(experiences))
+        stats.update(self._watch_signal(experiences, lag))
         return stats
 
-    def _watch_signal(self, experiences) -> dict[str, float]:
+    def _policy_lag(self, versions: list, step: int) -> PolicyLag:
+        """The rollout's lag behind the actor's weights (``algo.policy_lag``); more than
+        ``_policy_lag_bound`` stops the run: a synchronous run's engines sample the actor's
+        own weights, so a response from older ones means a sync never reached its engine."""
+        lag = policy_lag(versions, self._weights_version)
+        bound = self._policy_lag_bound
+        if bound is not None and lag.oldest > bound:
+            raise RuntimeError(
+                f"rollout step {step}: responses sampled by weight version "
+                f"{self._weights_version - lag.oldest}, {lag.oldest} behind the actor's "
+                f"{self._weights_version}, in a synchronous run: an engine missed a weight sync"
+            )
+        return lag
+
+    def _watch_signal(self, experiences, lag: PolicyLag | None = None) -> dict[str, float]:
         """Print the rollout's step line (with what dynamic filtering dropped to fill it); stop
         the run, before the update, once too many rollouts in a row had nothing to learn
         from (``signal_watch``)."""
@@ -307,12 +359,19 @@ class _GroupAwarePPOTrainer(VerifiedSyncTrainer, ppo_trainer.PPOTrainer.__ray_ac
             self.args.rollout.n_samples_per_prompt,
             self.args.algo.advantage.estimator,
         )
-        filtered = getattr(getattr(self, "samples_generator", None), "filter_report", None)
-        note = filtered.line() if filtered else None
+        filtered = self._filter_report()
+        notes = [lag.describe() if lag and self._shows_policy_lag else None]
+        notes.append(filtered.line() if filtered else None)
+        note = ", ".join(n for n in notes if n) or None
         line = self._signal_watch.observe(getattr(self, "_rollout_step", 0), rollout, note)
         print(f"drpo_openrlhf: {line}", flush=True)  # a Ray actor logs no INFO
         self._signal_watch.check()
         return self._signal_watch.stats() | (filtered.stats() if filtered else {})
+
+    def _filter_report(self):
+        """What dynamic filtering took to fill this rollout (``dynamic_filter.FilterReport``),
+        or None."""
+        return getattr(getattr(self, "samples_generator", None), "filter_report", None)
 
     def _with_gap_state(self, client_states: dict | None) -> dict:
         """The honest log-prob gap goes with every checkpoint, so a resume is held to it, with
@@ -341,10 +400,15 @@ class _GroupAwarePPOTrainer(VerifiedSyncTrainer, ppo_trainer.PPOTrainer.__ray_ac
             raise StopRequested(f"stop requested: saved global_step{global_step}, stopping")
         max_steps = self.args.drpo_run.max_steps
         if max_steps is not None and global_step >= max_steps:
-            if global_step % self.args.eval.steps == 0 and self.eval_dataloader:
-                self._evaluate_then_stop = True  # OpenRLHF evaluates this step after this call
-            else:
-                raise _MaxStepsReached
+            self._at_max_steps(global_step)
+
+    def _at_max_steps(self, global_step: int) -> None:
+        """The last step is saved: end OpenRLHF's loop, after this step's evaluation when one
+        is due (OpenRLHF's synchronous loop evaluates it after this call)."""
+        if global_step % self.args.eval.steps == 0 and self.eval_dataloader:
+            self._evaluate_then_stop = True
+        else:
+            raise _MaxStepsReached
 
     def save_best_checkpoint(self, eval_metrics, global_step, client_states=None):
         client_states = self._with_gap_state(client_states)
@@ -355,7 +419,9 @@ class _GroupAwarePPOTrainer(VerifiedSyncTrainer, ppo_trainer.PPOTrainer.__ray_ac
     def ppo_train(self, global_steps: int):
         if stop_requested(self.args.ckpt.path):  # the last safe point before the weights change
             raise StopBeforeUpdate
-        return super().ppo_train(global_steps)
+        status = super().ppo_train(global_steps)
+        self._weights_version = global_steps + 1  # what the sync after it sends
+        return status
 
     def _save_finished_step(self) -> str:
         """Save the last finished step (unless a save has), with its own client states: the
@@ -376,6 +442,7 @@ class _GroupAwarePPOTrainer(VerifiedSyncTrainer, ppo_trainer.PPOTrainer.__ray_ac
     def fit(self, global_step: int = 0) -> None:
         try:
             super().fit(global_step)
+            self._after_fit()
         except _MaxStepsReached:
             logger.info("stopping after --drpo.max_steps=%d steps", self.args.drpo_run.max_steps)
             self._close_trackers()
@@ -384,11 +451,18 @@ class _GroupAwarePPOTrainer(VerifiedSyncTrainer, ppo_trainer.PPOTrainer.__ray_ac
             raise
         except (StopBeforeUpdate, TaskCancelledError) as error:
             cancelled = isinstance(error, TaskCancelledError)  # an evaluation's requests
-            if cancelled and not self.samples_generator.canceller.requested:
+            if cancelled and not self._cancelled_by_stop():
                 raise
             message = self._save_finished_step()
             self._close_trackers()
             raise StopRequested(message) from None
+
+    def _after_fit(self) -> None:
+        """OpenRLHF's loop ended by itself (its data, or the asynchronous generator's end)."""
+
+    def _cancelled_by_stop(self) -> bool:
+        """Whether vLLM requests were cancelled by a stop request (not by a fault)."""
+        return self.samples_generator.canceller.requested
 
     def _close_trackers(self) -> None:
         for tracker in (self.wandb_logger, self.tensorboard_logger):
@@ -403,10 +477,27 @@ class _GroupAwarePPOTrainer(VerifiedSyncTrainer, ppo_trainer.PPOTrainer.__ray_ac
         if note:
             print(f"drpo_openrlhf: {note}", flush=True)  # a Ray actor logs no INFO
         self._gap_limit.load_state_dict(saved)
+        self._weights_version = states["global_step"]
+        if not self._weights_version:  # a resumed run's engines are told at its first sync
+            tag_version(self.vllm_engines, 0)  # the weights vLLM loaded from disk
         return states
 
 
+class _GroupAwarePPOTrainer(
+    TrainerHooks, VerifiedSyncTrainer, ppo_trainer.PPOTrainer.__ray_actor_class__
+):
+    """OpenRLHF's synchronous trainer with ``TrainerHooks``; its generation stops on a stop
+    request (``StoppableSamplesGenerator``); after ``--drpo.max_steps`` it stops after that
+    step's evaluation, when one is due."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._install_trainer_hooks()
+        install_samples_generator(self.samples_generator, StoppableSamplesGenerator)
+
+
 class _CPURolloutRayActor(
+    WeightVersionEngine,
     EngineTaggingEngine,
     RewardOptionsEngine,
     PositiveRewardEngine,
@@ -430,6 +521,7 @@ class _CPURolloutRayActor(
 
 
 class _GPURolloutRayActor(
+    WeightVersionEngine,
     EngineTaggingEngine,
     RewardOptionsEngine,
     PositiveRewardEngine,

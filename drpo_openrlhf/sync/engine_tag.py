@@ -44,19 +44,22 @@ def tag_engines(engines: list | None) -> None:
     ray.get([engine.set_engine_index.remote(i) for i, engine in enumerate(engines or [])])
 
 
+def info_rows(value) -> list[int]:
+    """A per-row ``info`` value as ints: OpenRLHF and the deal leave it as a ``(B,)`` or
+    ``(B, 1)`` tensor or a list of one-element tensors."""
+    if isinstance(value, list):
+        return [int(torch.as_tensor(v).flatten()[0]) for v in value]
+    return [int(v) for v in torch.as_tensor(value).reshape(len(value), -1)[:, 0]]
+
+
 def engine_tags(experience) -> list[int]:
-    """The engine index of each row of an experience batch. OpenRLHF and the deal leave a
-    per-row ``info`` value as a ``(B,)`` or ``(B, 1)`` tensor or a list of one-element
-    tensors."""
+    """The engine index of each row of an experience batch."""
     if ENGINE_KEY not in experience.info:
         raise KeyError(
             f"experience.info has no {ENGINE_KEY!r}: the rollout came from an engine without "
             "EngineTaggingEngine"
         )
-    value = experience.info[ENGINE_KEY]
-    if isinstance(value, list):
-        return [int(torch.as_tensor(v).flatten()[0]) for v in value]
-    return [int(v) for v in torch.as_tensor(value).reshape(len(value), -1)[:, 0]]
+    return info_rows(experience.info[ENGINE_KEY])
 
 
 def pop_engine_tags(experiences: list) -> None:

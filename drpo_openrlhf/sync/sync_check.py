@@ -17,12 +17,14 @@ trained for 32 steps and exited 0. These mixins close that:
   first), compares what the engines hold with the actor's weights; around each sync, starts
   the recording, then compares what every engine loaded and holds with what was sent
   (``weight_digest.check_sync``). A difference stops the run with ``WeightSyncError`` naming
-  the engine, the parameters and the step.
+  the engine, the parameters and the step. Then every engine is told the weights' version
+  (``weight_version``), before anything generates with them.
 - The weight probe: after each check the actor scores a fixed text token by token; the
-  engines score it before the next rollout's first request (``ProbingSamplesGenerator``), when
-  OpenRLHF has woken them under ``--vllm.enable_sleep`` and they are idle, so each scores it
-  alone, in the same shape. An engine that scores it differently from the others or too far
-  from the actor stops the run (``algo/weight_probe.py``, ``--drpo.weight_probe``).
+  engines score it before the next rollout's first request (``ProbingSamplesGenerator``; an
+  asynchronous run's generator: ``runtime/async_trainer.py``), when OpenRLHF has woken them
+  under ``--vllm.enable_sleep`` and they are idle, so each scores it alone, in the same shape.
+  An engine that scores it differently from the others or too far from the actor stops the
+  run (``algo/weight_probe.py``, ``--drpo.weight_probe``).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from drpo_openrlhf.algo.weight_probe import (
     probe_token_ids,
 )
 from drpo_openrlhf.sync.weight_digest import Digest, WorkerReport, check_sync, digest
+from drpo_openrlhf.sync.weight_version import tag_version
 
 SYNC_METHODS = ("update_weight", "update_weight_cuda_ipc")
 
@@ -186,6 +189,33 @@ def worker_report(raw: dict) -> WorkerReport:
     )
 
 
+def probe_engines(
+    engines: list, ids: list[int], actor: list[float], limits: ActorLimits, guard: str, when: str
+) -> dict[str, float]:
+    """Every engine scores the probe ``ids``; compare with the actor's scores ``actor``
+    (``weight_probe.compare_probe``, each engine's limit in ``limits``), log, and stop the run
+    with ``WeightProbeError`` on what ``guard`` (``--drpo.weight_probe``) guards. Returns the
+    probe's metrics. Whoever runs it must know the engines idle and holding the weights the
+    actor scored."""
+    scores = ray.get([engine.probe_logprobs.remote(ids) for engine in engines])
+    result = compare_probe(actor, scores, limits, guard)
+    gaps = ", ".join(f"engine {i} mean {m:.3g} max {x:.3g}" for i, (m, x) in enumerate(result.gaps))
+    spread = f"; engines differ by up to {result.engine_spread:.3g}" if len(scores) > 1 else ""
+    summary = f"|vLLM - actor| log-prob over {len(actor)} fixed tokens: {gaps}{spread}"
+    lines = [f"weight probe {when}: {summary}", *result.notes]
+    print("\n".join(f"drpo_openrlhf: {line}" for line in lines), flush=True)
+    if result.problems:
+        raise WeightProbeError(
+            f"weight probe {when} failed (--drpo.weight_probe {guard}):\n  "
+            + "\n  ".join(result.problems)
+            + f"\n({summary})\nThe digests found every engine's weights exact, so an "
+            "engine computes with them otherwise (rotary base or scaling, dtype, attention "
+            "kernel, quantization). Engines meant to differ: --drpo.weight_probe actor (from "
+            "each other), engines (from the actor) or log (docs/reliability.md)."
+        )
+    return result.metrics()
+
+
 class ProbingSamplesGenerator:
     """Mixin of the driver's samples generator: runs the weight probe a check left pending
     before the first request to the engines. OpenRLHF wakes sleeping engines (KV cache too)
@@ -209,6 +239,8 @@ class VerifiedSyncTrainer:
     _probe_ids: list[int] | None = None
     _probe_limits: ActorLimits | None = None
     _probe_metrics: dict[str, float] | None = None
+    # the version of the actor's weights (its updates so far), kept by the trainer
+    _weights_version = 0
 
     def _actor_weights(self, digests: bool) -> dict[str, tuple]:
         ranks = ray.get(
@@ -240,9 +272,10 @@ class VerifiedSyncTrainer:
 
     def _probe(self, when: str) -> None:
         """Score the probe on the actor now, on the weights just checked, and leave the
-        engines' scoring to the samples generator: under ``--vllm.enable_sleep`` their KV
-        cache sleeps until OpenRLHF wakes them to generate, and the memory plan counts on
-        that. The actor's weights do not change until after that rollout."""
+        engines' scoring to the samples generator (``_post_probe``): under
+        ``--vllm.enable_sleep`` their KV cache sleeps until OpenRLHF wakes them to generate,
+        and the memory plan counts on that. The actor's weights do not change until after
+        that rollout."""
         if self._probe_ids is None:  # as long as vLLM's context allows (prompt + 1 token)
             count = min(PROBE_TOKENS, self.args.data.max_len - 1)
             self._probe_ids = probe_token_ids(self.tokenizer, count)
@@ -251,34 +284,20 @@ class VerifiedSyncTrainer:
                 method_name="probe_logprobs", token_ids=self._probe_ids
             )
         )[0]
+        self._post_probe(when, actor)
+
+    def _post_probe(self, when: str, actor: list[float]) -> None:
+        """The engines score the probe before the next rollout's first request, in this
+        process's samples generator."""
         self.samples_generator.pending_probe = partial(self._probe_engines, when, actor)
 
     def _probe_engines(self, when: str, actor: list[float]) -> None:
-        """Every engine scores the probe; compare (``weight_probe.compare_probe``), log, and
-        stop the run with ``WeightProbeError`` on what ``--drpo.weight_probe`` guards."""
-        ids = self._probe_ids
-        engines = ray.get([engine.probe_logprobs.remote(ids) for engine in self.vllm_engines])
         if self._probe_limits is None:
             self._probe_limits = ActorLimits()
         guard = self.args.drpo_run.weight_probe
-        result = compare_probe(actor, engines, self._probe_limits, guard)
-        self._probe_metrics = result.metrics()
-        gaps = ", ".join(
-            f"engine {i} mean {m:.3g} max {x:.3g}" for i, (m, x) in enumerate(result.gaps)
+        self._probe_metrics = probe_engines(
+            self.vllm_engines, self._probe_ids, actor, self._probe_limits, guard, when
         )
-        spread = f"; engines differ by up to {result.engine_spread:.3g}" if len(engines) > 1 else ""
-        summary = f"|vLLM - actor| log-prob over {len(actor)} fixed tokens: {gaps}{spread}"
-        lines = [f"weight probe {when}: {summary}", *result.notes]
-        print("\n".join(f"drpo_openrlhf: {line}" for line in lines), flush=True)
-        if result.problems:
-            raise WeightProbeError(
-                f"weight probe {when} failed (--drpo.weight_probe {guard}):\n  "
-                + "\n  ".join(result.problems)
-                + f"\n({summary})\nThe digests found every engine's weights exact, so an "
-                "engine computes with them otherwise (rotary base or scaling, dtype, attention "
-                "kernel, quantization). Engines meant to differ: --drpo.weight_probe actor (from "
-                "each other), engines (from the actor) or log (docs/reliability.md)."
-            )
 
     def train_step(self, rollout_samples, global_step: int):
         self._sync_when = f"after rollout step {global_step + 1}"
@@ -288,11 +307,23 @@ class VerifiedSyncTrainer:
         return status, step
 
     def broadcast_to_vllm(self) -> None:
-        if not _verifying(self.args):
-            return super().broadcast_to_vllm()
-        ray.get([engine.begin_weight_sync.remote() for engine in self.vllm_engines])
+        """OpenRLHF's sync, checked and probed; then the engines are told the weights'
+        version (``weight_version``), before generation can use them."""
+        verifying = _verifying(self.args)
+        if verifying:
+            ray.get([engine.begin_weight_sync.remote() for engine in self.vllm_engines])
         super().broadcast_to_vllm()
-        ranks = ray.get(self.actor_model_group.async_run_method(method_name="sent_weight_digests"))
-        sent = next(s for s in ranks if s is not None)
-        check_sync(sent, self._engine_reports(), self._sync_when)
-        self._probe(self._sync_when)
+        if verifying:
+            ranks = ray.get(
+                self.actor_model_group.async_run_method(method_name="sent_weight_digests")
+            )
+            sent = next(s for s in ranks if s is not None)
+            check_sync(sent, self._engine_reports(), self._sync_when)
+            print(
+                f"drpo_openrlhf: weight sync {self._sync_when} checked: {len(self.vllm_engines)} "
+                f"engine(s) hold the {len(sent)} tensors sent, weight version "
+                f"{self._weights_version}",
+                flush=True,
+            )
+            self._probe(self._sync_when)
+        tag_version(self.vllm_engines, self._weights_version)
