@@ -188,11 +188,14 @@ def ppo_trainer(strategy, actor, optim, scheduler, device: str = "cpu"):
 
 
 def experience(
-    data: dict[str, torch.Tensor], old_log_probs: torch.Tensor, info: dict[str, torch.Tensor]
+    data: dict[str, torch.Tensor],
+    old_log_probs: torch.Tensor,
+    info: dict[str, torch.Tensor],
+    rollout_log_probs: torch.Tensor | None = None,
 ):
     """An OpenRLHF ``Experience`` of right-padded rows, with per-row ``info`` (the prompt-group
     ids and slots the DRPO experience maker adds); ``advantages`` when ``data`` has them (for
-    the stock PPO loss)."""
+    the stock PPO loss); ``rollout_log_probs``: the vLLM engines' log-probs of its tokens."""
     from openrlhf.trainer.ppo_utils.experience import Experience
 
     b = data["sequences"].shape[0]
@@ -201,6 +204,7 @@ def experience(
         attention_mask=data["attention_mask"],
         action_mask=data["action_mask"],
         action_log_probs=old_log_probs,
+        rollout_log_probs=rollout_log_probs,
         advantages=data.get("advantages"),
         rewards=data["scores"],
         scores=data["scores"],

@@ -45,6 +45,9 @@ class Case:
     tp: int = 1
     # --drpo.lambda_by_pass_rate with this --drpo.pass_rate_prior (None: a fixed lambda)
     pass_rate_prior: float | None = None
+    # a rollout correction (level, mode, gating, low, high) on the engines' log-probs of
+    # ``engine_log_probs`` (None: off, the engines' log-probs not in the experience)
+    correction: tuple[str, str, str, float, float] | None = None
 
     @property
     def name(self) -> str:
@@ -55,6 +58,7 @@ class Case:
         name += f"-ring{self.ring}" if self.ring > 1 else ""
         name += f"-tp{self.tp}" if self.tp > 1 else ""
         name += f"-pass_rate{self.pass_rate_prior:g}" if self.pass_rate_prior is not None else ""
+        name += "-is_" + "_".join(map(str, self.correction)) if self.correction else ""
         return name + (f"-chunk{self.chunk}" if self.chunk else "")
 
 
@@ -148,6 +152,16 @@ def rollout(seed: int = 0) -> dict[str, torch.Tensor]:
     )
 
 
+def engine_log_probs(old: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
+    """The vLLM engines' log-probs of the sampled tokens: pi_old's off by a per-response
+    offset and per-token noise, so that some tokens and some responses fall outside a
+    correction's band (the same draws in every process)."""
+    gen = torch.Generator().manual_seed(1)
+    offset = 0.5 * torch.randn(old.shape[0], 1, generator=gen)
+    noise = 0.3 * torch.randn(old.shape, generator=gen)
+    return (old - offset - noise) * action_mask
+
+
 def old_log_probs(data) -> torch.Tensor:
     from openrlhf.models import Actor
 
@@ -208,9 +222,13 @@ def drpo_config(case: Case):
     from drpo_openrlhf.algo import DRPOConfig
 
     positive = "fewer_reflections" if case.preference else "length"
+    from drpo_openrlhf.algo.rollout_correction import RolloutCorrection
+
     schedule = {}
     if case.pass_rate_prior is not None:
         schedule = dict(lambda_by_pass_rate=True, pass_rate_prior=case.pass_rate_prior)
+    if case.correction is not None:
+        schedule["rollout_correction"] = RolloutCorrection(*case.correction)
     return DRPOConfig(kl_estimate=case.kl_estimate, max_len=8, positive_reward=positive, **schedule)
 
 
@@ -306,7 +324,10 @@ def run_rank(rank: int, world: int, port: int, cases: list[Case], out_dir: str) 
         trainer.__class__ = DRPOActorTrainer
         trainer.enable_drpo(drpo_config(case))
         local_data = {k: v[local] for k, v in data.items()}
-        trainer.replay_buffer.append(testing.experience(local_data, old[local], info))
+        engine = None
+        if case.correction is not None:
+            engine = engine_log_probs(old, data["action_mask"])[local]
+        trainer.replay_buffer.append(testing.experience(local_data, old[local], info, engine))
         forwards = count_forwards(actor)
         slices = record_slices(actor, actor.model.module)
         with testing.cuda_queries_answered(DEVICE, "cpu"):
@@ -414,9 +435,12 @@ def reference_weights(case: Case, world: int) -> tuple[list[torch.Tensor], list[
     from openrlhf.models import Actor
 
     from drpo_openrlhf.algo import ResponseScalars, minibatch_loss, response_scalars
+    from drpo_openrlhf.algo.rollout_correction import rollout_weights
 
     data = rollout()
     old = old_log_probs(data)
+    engine = engine_log_probs(old, data["action_mask"])
+    correction = drpo_config(case).rollout_correction
     actor = Actor(tiny_model(), temperature=0.6)
     actor.packing_samples = False
     optim = torch.optim.AdamW(
@@ -451,6 +475,11 @@ def reference_weights(case: Case, world: int) -> tuple[list[torch.Tensor], list[
                 data["action_mask"][idx],
                 attention_mask=data["attention_mask"][idx],
             )
+            weights = None
+            if correction.enabled:
+                weights = rollout_weights(
+                    correction, old[idx], engine[idx], data["action_mask"][idx]
+                )
             parts.append(
                 response_scalars(
                     log_probs,
@@ -460,6 +489,7 @@ def reference_weights(case: Case, world: int) -> tuple[list[torch.Tensor], list[
                     data["group"][idx],
                     microstep=j,
                     preference=data["preference"][idx] if case.preference else None,
+                    weights=weights,
                 )
             )
         loss, _ = minibatch_loss(ResponseScalars.concat(parts), drpo_config(case), max_len=8)

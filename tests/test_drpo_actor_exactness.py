@@ -6,7 +6,8 @@ as in the released code: rank r holds response r of every prompt when ranks = n)
 log-probs computed in chunks (``--drpo.logprob_chunk_tokens``) or not, with a positive
 reward other than length (``--drpo.positive_reward``: scores carried per response), and with
 lambda set per prompt from its pass rate (``--drpo.lambda_by_pass_rate``, with and without
-``--drpo.pass_rate_prior``)."""
+``--drpo.pass_rate_prior``), and with a rollout correction (``--algo.advantage.is_correction_*``:
+the engines' log-probs' summaries carried per response)."""
 
 import pytest
 import torch
@@ -34,6 +35,8 @@ CASES = {
         Case(0, 4, chunk=5),  # chunks of 5 tokens, not dividing the padded rows
         Case(3, 2, packing=True, chunk=7),
         Case(2, 4, preference=True),
+        # rollout correction: token weights on the scores and the KL, penalty pass
+        Case(2, 4, correction=("token", "clip", "ratio", 0.5, 5.0)),
     ],
     2: [
         Case(2, 1),  # 2 rows per global micro-step cannot hold a group: scores pass
@@ -55,12 +58,16 @@ CASES = {
         # lambda per prompt from its pass rate: the group's counts, wherever its rows are
         Case(2, 1, pass_rate_prior=4.0),  # scores pass, groups over both ranks
         Case(3, 2, packing=True, kl_estimate="microstep", pass_rate_prior=0.0),  # one pass
+        # sequences masked, groups spread over the ranks, pi_old from the first forward
+        Case(2, 1, packing=True, dynamic=True, correction=("seq", "mask", "ratio", 0.5, 2.0)),
     ],
     4: [  # rank r holds response r of every prompt (W = n), as in the released code
         Case(2, 1, kl_estimate="microstep"),
         Case(3, 1, packing=True, kl_estimate="microstep"),
         Case(3, 2),
         Case(2, 1, packing=True),
+        # the truncated sequence weight in the group's sums, one pass, ZeRO-3
+        Case(3, 1, kl_estimate="microstep", correction=("seq", "clip", "ratio", 0.5, 5.0)),
     ],
 }
 
