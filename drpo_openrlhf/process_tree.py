@@ -28,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -115,6 +116,18 @@ def keeping_sigterm() -> Iterator[None]:
     yield
     if callable(handler) and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, handler)
+
+
+# the start of the FutureWarning that every ray.init of the pinned Ray prints
+RAY_OVERRIDE_TIP = "Tip: In future versions of Ray, Ray will no longer override accelerator"
+
+
+def quiet_ray_tip() -> None:
+    """Hide the FutureWarning that the pinned Ray's ``ray.init`` prints on every driver: it
+    announces a default that a later Ray will change (RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO).
+    Setting that variable to silence it would change today's behaviour (the visible-devices
+    variable of a Ray worker without GPUs), which this Ray's users get; only the text goes."""
+    warnings.filterwarnings("ignore", message=RAY_OVERRIDE_TIP, category=FutureWarning)
 
 
 def exiting() -> None:

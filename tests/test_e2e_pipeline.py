@@ -24,6 +24,7 @@ from time_bounds import Deadline, scaled
 
 from drpo_openrlhf.demo.training import local_ray_cluster
 from drpo_openrlhf.eval.tensorboard_logs import read_scalars
+from drpo_openrlhf.process_tree import RAY_OVERRIDE_TIP
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -179,6 +180,7 @@ def test_drpo_two_ranks_zero2_llama_with_eval_then_resume(toy_llama, ray_address
     assert first.returncode == 0, first.output[-3000:]
     assert "answer format: thinking (chat_template.jinja drops an earlier" in first.output
     assert "require_think_end=True bound to the reward in 1 of 1 vLLM engine(s)" in first.output
+    assert RAY_OVERRIDE_TIP not in first.output  # the driver's ray.init, quiet
     logged = assert_drpo_trained(out, toy["base"], steps=2)
     # one optimizer step per rollout, at pi_old's weights: pi_old was scored in the update's
     # own micro-batches, so even in bf16 the KL estimate has no noise floor (docs/algorithm.md)

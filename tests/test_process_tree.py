@@ -315,3 +315,21 @@ def test_the_interrupted_run_names_its_checkpoint_and_the_stop_that_saves(tmp_pa
     said = interrupt_message("SIGINT (Ctrl-C)", str(ckpt))
     assert f"Last complete checkpoint: {step}; rerun the same command with" in said
     assert f"touch {ckpt / 'DRPO_STOP_REQUESTED'})." in said
+
+
+def test_the_ray_tip_is_hidden_and_other_future_warnings_are_not() -> None:
+    """The pinned Ray's ``ray.init`` warns with the text that ``quiet_ray_tip`` filters (read
+    from Ray's own source, so that a reworded tip fails here); the filter hides only it."""
+    import warnings
+
+    import ray._private.worker
+
+    source = Path(ray._private.worker.__file__).read_text()
+    assert process_tree.RAY_OVERRIDE_TIP in source
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        process_tree.quiet_ray_tip()
+        tip = f"{process_tree.RAY_OVERRIDE_TIP} visible devices ..."
+        warnings.warn(tip, FutureWarning, stacklevel=1)
+        warnings.warn("another FutureWarning", FutureWarning, stacklevel=1)
+    assert [str(w.message) for w in caught] == ["another FutureWarning"]

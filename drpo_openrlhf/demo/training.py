@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from drpo_openrlhf.demo.config import DemoConfig, RLConfig
-from drpo_openrlhf.process_tree import keeping_sigterm, owning_processes, run_child
+from drpo_openrlhf.process_tree import keeping_sigterm, owning_processes, quiet_ray_tip, run_child
 
 # what the runs need on a machine without a model hub; setdefault, so a user's value wins
 RUN_ENV = {
@@ -144,6 +144,7 @@ def local_ray_cluster(num_gpus: int) -> Iterator[str]:
     Ray's; a handler of the caller's own is put back."""
     import ray
 
+    quiet_ray_tip()
     with owning_processes(report=_report_leftovers):
         with keeping_sigterm():
             context = ray.init(

@@ -121,6 +121,7 @@ def run_openrlhf(openrlhf_argv: list[str], run: RunOptions) -> None:
     on CPU, ``cpu_support`` is enabled here and in every Ray worker.
     """
     allow_job_env_overlap()
+    process_tree.quiet_ray_tip()  # before every ray.init: the probe's, ours, OpenRLHF's
     try:
         mode, cluster = resolve_mode(run.device)
         cpu = mode == "cpu"
