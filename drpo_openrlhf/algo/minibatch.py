@@ -84,12 +84,13 @@ class ResponseScalars:
         preferences = [p.preference for p in parts if p.preference is not None]
         weighted = [p.weighted_score for p in parts if p.weighted_score is not None]
         corrections = [p.correction for p in parts if p.correction is not None]
-        for name, present in [
-            ("preference", preferences),
-            ("weighted_score", weighted),
-            ("correction", corrections),
-        ]:
-            if present and len(present) != len(parts):
+        present = {
+            "preference": len(preferences),
+            "weighted_score": len(weighted),
+            "correction": len(corrections),
+        }
+        for name, count in present.items():
+            if count and count != len(parts):
                 raise ValueError(f"some parts have no {name}")
         return ResponseScalars(
             score=torch.cat([p.score for p in parts]),
@@ -176,23 +177,13 @@ def _kl_penalty_term(r: ResponseScalars, config: DRPOConfig) -> tuple[Tensor, Te
     return penalty, per_step.mean(), (per_step > config.delta).to(per_step.dtype).mean()
 
 
-class _ValueWithGradientOf(torch.autograd.Function):
-    """``value``'s value with ``carrier``'s gradient: a score whose gradient carries token
-    weights (``ResponseScalars.weighted_score``) while the objective reads its plain value."""
-
-    @staticmethod
-    def forward(ctx, value: Tensor, carrier: Tensor) -> Tensor:
-        return value.detach().clone()
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[None, Tensor]:
-        return None, grad
-
-
 def _objective_score(r: ResponseScalars) -> Tensor:
+    """The score's value with the gradient of ``weighted_score`` where there is one (a token
+    correction weights the score's tokens in its gradient only): ``w - w.detach()`` is 0 in
+    every float, so the value is the plain score's, bit for bit."""
     if r.weighted_score is None:
         return r.score
-    return _ValueWithGradientOf.apply(r.score, r.weighted_score)
+    return r.score.detach() + (r.weighted_score - r.weighted_score.detach())
 
 
 def _mean_or_nan(values: Tensor, mask: Tensor) -> Tensor:

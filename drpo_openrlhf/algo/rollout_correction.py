@@ -284,7 +284,9 @@ def kl_parts(kl_sum: Tensor, c: CorrectionScalars) -> tuple[Tensor, Tensor]:
     return v * kl_sum, v * c.kl_tokens.to(kl_sum.dtype)
 
 
-def correction_metrics(c: CorrectionScalars, group_ids: Tensor, num_tokens: Tensor) -> dict:
+def correction_metrics(
+    c: CorrectionScalars, group_ids: Tensor, num_tokens: Tensor
+) -> dict[str, Tensor]:
     """What the peers log: the engines' token-mean KL to pi_old (``is_kl``: the log-ratio,
     OpenRLHF's ``vllm_kl``; ``is_kl_k3``), the share of units masked or clipped
     (``is_filtered``, OpenRLHF's ``is_filter_ratio``) and the weights' effective sample size
