@@ -170,7 +170,9 @@ def add_drpo_arguments(parser: argparse.ArgumentParser) -> None:
         "Default: 10 x the honest gap of the run's first rollout, whose weights are checked "
         "exactly (at least 0.005; that rollout must stay under 0.1; saved with the checkpoint, "
         "and a resumed run's first rollout must stay within 3 x it; 0.05 with "
-        "--no-drpo.verify_weight_sync). Given, it replaces all of these; docs/reliability.md",
+        "--no-drpo.verify_weight_sync). Given, it replaces all of these; docs/reliability.md. "
+        "Under --train.async_enable only responses sampled by pi_old's own weights are held to "
+        "it (docs/async.md)",
     )
     g.add_argument(
         "--drpo.verify_weight_sync",
