@@ -215,13 +215,18 @@ def test_drpo_two_ranks_zero2_llama_with_eval_then_resume(toy_llama, ray_address
 
 
 def test_drpo_zero3_one_rank_then_rloo_lp_from_the_model_it_saved(toy, ray_address, tmp_path):
-    """A DRPO run with ZeRO-3 on one actor rank, then an RLOO-LP baseline run (PPO on shaped
-    rewards) that starts from the model the ZeRO-3 run saved: its gathered weights must load
-    as a model. (DisCO's run is the sweep's, tests/test_sweep_e2e.py.)"""
+    """A DRPO run with ZeRO-3 on one actor rank and the truncated sequence weight of the
+    rollout correction (docs/rollout-correction.md), then an RLOO-LP baseline run (PPO on
+    shaped rewards) that starts from the model the ZeRO-3 run saved: its gathered weights must
+    load as a model. (DisCO's run is the sweep's, tests/test_sweep_e2e.py.)"""
     first = tmp_path / "zero3"
-    done = train(toy, first, "--ds.zero_stage", "3", ray_address=ray_address)
+    correction = ("--algo.advantage.is_correction_level", "seq")
+    correction += ("--algo.advantage.is_correction_mode", "clip")
+    done = train(toy, first, "--ds.zero_stage", "3", *correction, ray_address=ray_address)
     assert done.returncode == 0, done.output[-3000:]
-    assert_drpo_trained(first, toy["base"], steps=2)
+    logged = assert_drpo_trained(first, toy["base"], steps=2)
+    ess = logged["train/drpo/is_ess"]  # the weights' effective sample size, a share per group
+    assert sorted(ess) == [1, 2] and all(0 < v <= 1 + 1e-9 for v in ess.values()), ess
 
     saved = {**toy, "base": first / "model"}
     out = tmp_path / "rloo_lp"
