@@ -168,6 +168,30 @@ def cases() -> list[dict]:
         },
     )
     case("actor-gpus", env={"COLOCATE": "0", "ACTOR_GPUS_PER_NODE": "6", "VLLM_TP": "2"})
+    # the off-policy modes, one launch per variable (asynchronous needs its own engine GPUs);
+    # newer than the bash translation, so recorded from the launcher that introduced them
+    split = {"COLOCATE": "0"}
+    case("async", env=split | {"ASYNC": "1"})
+    case("async-queue", env=split | {"ASYNC": "1", "ASYNC_QUEUE": "2"})
+    case("partial-rollout", env=split | {"ASYNC": "1", "PARTIAL_ROLLOUT": "1"})
+    case("is-correction-level", env={"IS_CORRECTION_LEVEL": "token"})
+    case("is-correction-mode", env={"IS_CORRECTION_LEVEL": "seq", "IS_CORRECTION_MODE": "clip"})
+    case(
+        "is-correction-gating",
+        env={
+            "IS_CORRECTION_LEVEL": "token",
+            "IS_CORRECTION_GATING": "tv",
+            "IS_CORRECTION_THRESHOLD": "0.1",
+        },
+    )
+    case(
+        "is-correction-threshold",
+        env={"IS_CORRECTION_LEVEL": "seq", "IS_CORRECTION_THRESHOLD": " 0.8\t1.25 "},
+    )
+    case("dynamic-filtering", "7b", {"DYNAMIC_FILTERING": "1"})
+    case(
+        "dynamic-filtering-range", env={"DYNAMIC_FILTERING": "1", "DYNAMIC_FILTERING_RANGE": "0 1"}
+    )
     case("local-node", "7b", {"FAKE_GPUS": "4"}, ["--train.seed", "3"], local=True)
     case("local-node-visible", env={"FAKE_GPUS": "8", "CUDA_VISIBLE_DEVICES": "2,3"}, local=True)
     # errors: the launcher stops before Ray
@@ -189,6 +213,23 @@ def cases() -> list[dict]:
         "ring-without-packing": {"RING_ATTN_SIZE": "2", "PACKING": "0"},
         "missing-plugin": {"POSITIVE_REWARD": "fewer_answers+nowhere.py"},
         "control-char": {"RAY_ENV_VARS": "MY_VAR", "MY_VAR": "a\tb"},
+        "bad-async": {"COLOCATE": "0", "ASYNC": "yes"},
+        "async-colocated": {"ASYNC": "1"},
+        "queue-without-async": {"ASYNC_QUEUE": "2"},
+        "bad-async-queue": {"COLOCATE": "0", "ASYNC": "1", "ASYNC_QUEUE": "0"},
+        "partial-without-async": {"PARTIAL_ROLLOUT": "1"},
+        "bad-is-correction-level": {"IS_CORRECTION_LEVEL": "sequence"},
+        "bad-is-correction-threshold": {
+            "IS_CORRECTION_LEVEL": "seq",
+            "IS_CORRECTION_THRESHOLD": "1 2 3",
+        },
+        "is-correction-without-level": {"IS_CORRECTION_MODE": "clip"},
+        "bad-partial-rollout": {"COLOCATE": "0", "ASYNC": "1", "PARTIAL_ROLLOUT": "true"},
+        "bad-is-correction-mode": {"IS_CORRECTION_LEVEL": "seq", "IS_CORRECTION_MODE": "trunc"},
+        "bad-is-correction-gating": {"IS_CORRECTION_LEVEL": "token", "IS_CORRECTION_GATING": "kl"},
+        "bad-dynamic-filtering": {"DYNAMIC_FILTERING": "on"},
+        "bad-dynamic-filtering-range": {"DYNAMIC_FILTERING": "1", "DYNAMIC_FILTERING_RANGE": "0"},
+        "range-without-filtering": {"DYNAMIC_FILTERING_RANGE": "0 1"},
     }.items():
         case(f"error-{name}", env=env)
     return out

@@ -99,6 +99,8 @@ def test_the_recording_covers_every_method_recipe_and_layout() -> None:
         "local-node",
         "error-bad-method",
         "error-bad-grace",
+        "partial-rollout",
+        "error-partial-without-async",
     ],
 )
 def test_the_launcher_submits_the_recorded_command(name: str, tmp: Path) -> None:
@@ -149,3 +151,89 @@ def test_module_prints_assignments_bash_reads(tmp: Path) -> None:
     assert plan.train_args[-5:] == ["--x", "$HOME", "--json", '{"a": "b c"}', "it's"]
     usage = subprocess.run(module, capture_output=True, text=True, cwd=REPO)
     assert (usage.returncode, usage.stderr) == (2, recipe.USAGE + "\n")
+
+
+OFF_POLICY = {
+    "async": ["--train.async_enable"],
+    "async-queue": ["--train.async_enable", "--train.async_queue_size", "2"],
+    "partial-rollout": ["--train.async_enable", "--train.partial_rollout_enable"],
+    "is-correction-level": ["--algo.advantage.is_correction_level", "token"],
+    "is-correction-mode": [
+        *("--algo.advantage.is_correction_level", "seq"),
+        *("--algo.advantage.is_correction_mode", "clip"),
+    ],
+    "is-correction-gating": [
+        *("--algo.advantage.is_correction_level", "token"),
+        *("--algo.advantage.is_correction_gating", "tv"),
+        *("--algo.advantage.is_correction_threshold", "0.1"),
+    ],
+    "is-correction-threshold": [
+        *("--algo.advantage.is_correction_level", "seq"),
+        *("--algo.advantage.is_correction_threshold", "0.8", "1.25"),
+    ],
+    "dynamic-filtering": ["--algo.dynamic_filtering_enable"],
+    "dynamic-filtering-range": [
+        *("--algo.dynamic_filtering_enable", "--algo.dynamic_filtering_range", "0", "1"),
+    ],
+}
+OFF_POLICY_FLAGS = {f for flags in OFF_POLICY.values() for f in flags if f.startswith("--")}
+
+
+@pytest.mark.parametrize("name", OFF_POLICY)
+def test_an_off_policy_setting_adds_its_flags_and_the_entry_point_takes_them(
+    name: str, tmp: Path
+) -> None:
+    """Each ASYNC / PARTIAL_ROLLOUT / IS_CORRECTION_* / DYNAMIC_FILTERING launch is its
+    setting's flags, in order, and nothing else of them; the entry point's parser and checks
+    accept the command."""
+    from drpo_openrlhf.train import parse
+
+    case = next(c for c in CASES if c["id"] == name)
+    args = case["train_args"]
+    start = args.index(OFF_POLICY[name][0])
+    assert args[start : start + len(OFF_POLICY[name])] == OFF_POLICY[name]
+    assert {a for a in args if a in OFF_POLICY_FLAGS} == {
+        f for f in OFF_POLICY[name] if f.startswith("--")
+    }
+    parse([a.replace("@TMP@", str(tmp)).replace("@REPO@", str(REPO)) for a in args])
+
+
+def test_the_released_recipes_run_synchronously_on_policy() -> None:
+    """Unset, the off-policy settings add none of their flags."""
+    released = [c for c in CASES if c["exit"] == 0 and not set(c["env"]) & OFF_POLICY_SETTINGS]
+    assert len(released) > 100
+    for case in released:
+        assert not set(case["train_args"]) & OFF_POLICY_FLAGS, case["id"]
+
+
+OFF_POLICY_SETTINGS = {
+    "ASYNC",
+    "ASYNC_QUEUE",
+    "PARTIAL_ROLLOUT",
+    *recipe.IS_CORRECTION,
+    "IS_CORRECTION_THRESHOLD",
+    "DYNAMIC_FILTERING",
+    "DYNAMIC_FILTERING_RANGE",
+}
+
+
+def test_the_correction_choices_are_the_algorithm_s() -> None:
+    from drpo_openrlhf.algo.rollout_correction import GATINGS, LEVELS, MODES
+
+    choices = [choices for _, choices in recipe.IS_CORRECTION.values()]
+    assert choices == [LEVELS, MODES, GATINGS]
+
+
+def test_every_off_policy_setting_has_a_recorded_launch_and_refusal() -> None:
+    for setting in OFF_POLICY_SETTINGS:
+        used = [c for c in CASES if setting in c["env"]]
+        assert any(c["exit"] == 0 for c in used), setting
+        assert any(c["exit"] == 1 and setting in c["errors"][0] for c in used), setting
+
+
+def test_every_off_policy_setting_is_in_the_table_of_variables() -> None:
+    text = (REPO / "docs" / "launch.md").read_text()
+    table = text[text.index("## Environment variables") : text.index("## What the launcher")]
+    rows = [line.split(" | ")[0] for line in table.splitlines() if line.startswith("| `")]
+    for setting in OFF_POLICY_SETTINGS:
+        assert any(f"`{setting}`" in row for row in rows), setting

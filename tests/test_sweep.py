@@ -621,3 +621,43 @@ def test_a_sweep_run_one_seed_at_a_time_reports_every_seed(inputs: Path) -> None
         save_resolved(load_sweep(path, "local", [seed]), [seed])
     resolved = load_sweep(inputs / "out" / RESOLVED, "none")
     assert sorted({r.seed for r in resolved.runs}) == [0, 1]
+
+
+def test_a_variant_sweeps_an_off_policy_mode(inputs: Path, capsys) -> None:
+    """Asynchronous training with the rollout correction, and dynamic filtering, as labelled
+    variants of DRPO (docs/sweep.md): their flags reach each run's command and the entry
+    point's parser; a combination it refuses is a problem of the sweep, before submitting."""
+    variants = """
+[[methods]]
+method = "drpo"
+grid = { lambda = [0.1] }
+[[methods]]
+method = "drpo"
+label = "drpo_async"
+grid = { lambda = [0.1] }
+flags = ["--train.async_enable", "--algo.advantage.is_correction_level", "seq"]
+[[methods]]
+method = "drpo"
+label = "drpo_filtered"
+grid = { lambda = [0.1] }
+flags = ["--algo.dynamic_filtering_enable"]
+"""
+    out = dry_run(write_sweep(inputs, variants, seeds="[0]"), "local", capsys)
+    argvs = {}
+    for line in out.splitlines():
+        command = shlex.split(line) if not line.startswith(("#", "sweep")) else []
+        if command[2:3] == ["drpo_openrlhf.train"]:
+            _, _, argv = train.parse(command[3:])
+            argvs[Path(argv[argv.index("--ckpt.output_dir") + 1]).parent.name] = argv
+    modes = ("--train.async_enable", "--algo.dynamic_filtering_enable")
+    plain, run_async, filtered = (
+        argvs[f"{name}-lambda0.1-s0"] for name in ("drpo", "drpo_async", "drpo_filtered")
+    )
+    assert not set(modes) & set(plain)
+    assert modes[0] in run_async and modes[1] not in run_async
+    level = run_async.index("--algo.advantage.is_correction_level")
+    assert run_async[level + 1] == "seq"
+    assert modes[1] in filtered and modes[0] not in filtered
+    refused = variants.replace('"--train.async_enable"', '"--train.partial_rollout_enable"')
+    with pytest.raises(SweepError, match="partial_rollout_enable"):
+        load_sweep(write_sweep(inputs, refused, seeds="[0]"), "local")

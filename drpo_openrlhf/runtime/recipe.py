@@ -95,6 +95,16 @@ POSITIVE = [
     "EVAL_STEPS",
     "EVAL_N_SAMPLES",
 ]
+# The off-policy modes (docs/async.md, docs/rollout-correction.md, docs/dynamic-filtering.md):
+# unset, each leaves its flags off the command (the released runs). algo.rollout_correction's
+# LEVELS, MODES and GATINGS, written out (no torch on a launch; tests/test_recipe_command.py
+# holds them equal). What needs DRPO's rules (a band, a filtering range) is the preflight's.
+IS_CORRECTION = {
+    "IS_CORRECTION_LEVEL": ("--algo.advantage.is_correction_level", ("off", "token", "seq")),
+    "IS_CORRECTION_MODE": ("--algo.advantage.is_correction_mode", ("mask", "clip")),
+    "IS_CORRECTION_GATING": ("--algo.advantage.is_correction_gating", ("ratio", "binary_kl", "tv")),
+}
+NUMBER = r"[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?"
 # What Ray copies to every node for the job (the sweep's Ray backend sends the same)
 EXCLUDES = [".git", ".venv", "outputs", "results", "wandb", "__pycache__", "*.safetensors", "*.pt"]
 # Forwarded to the job explicitly (srun already exports the batch environment to every node,
@@ -193,6 +203,77 @@ class _Recipe:
                 name = self.path(path) + name[len(path) :]
             out.append(weight + name)
         return "+".join(out)
+
+
+def _switch(r: _Recipe, name: str) -> bool:
+    value = r.get(name) or "0"
+    if value not in ("0", "1"):
+        raise RecipeError(f"{name} must be 0 or 1, got '{value}'")
+    return value == "1"
+
+
+def _numbers(r: _Recipe, name: str, counts: tuple[int, ...], shape: str) -> list[str]:
+    words = read_words(r.get(name))
+    if len(words) not in counts or not all(re.fullmatch(NUMBER, w) for w in words):
+        raise RecipeError(f"{name} must be {shape}, got '{r.get(name)}'")
+    return words
+
+
+def off_policy_flags(r: _Recipe, colocate: bool) -> list[str]:
+    """ASYNC, ASYNC_QUEUE, PARTIAL_ROLLOUT, IS_CORRECTION_*, DYNAMIC_FILTERING(_RANGE) as the
+    entry point's flags; the combinations refused here are those the settings alone decide."""
+    flags = []
+    if _switch(r, "ASYNC"):
+        # OpenRLHF then colocates only the DeepSpeed models: the engines need GPUs of their
+        # own, and the recipe's --vllm.enable_sleep would be refused
+        if colocate:
+            raise RecipeError(
+                "ASYNC=1 needs COLOCATE=0: generation runs beside training, so the vLLM "
+                "engines need GPUs of their own and cannot sleep (docs/async.md)"
+            )
+        flags.append("--train.async_enable")
+        if r.get("ASYNC_QUEUE"):
+            if not re.fullmatch(r"[1-9][0-9]*", r.get("ASYNC_QUEUE")):
+                raise RecipeError(
+                    f"ASYNC_QUEUE must be a positive integer, got '{r.get('ASYNC_QUEUE')}'"
+                )
+            flags += ["--train.async_queue_size", r.get("ASYNC_QUEUE")]
+    elif r.get("ASYNC_QUEUE"):
+        raise RecipeError("ASYNC_QUEUE needs ASYNC=1: the synchronous trainer has no queue")
+    if _switch(r, "PARTIAL_ROLLOUT"):
+        if "--train.async_enable" not in flags:
+            raise RecipeError(
+                "PARTIAL_ROLLOUT=1 needs ASYNC=1: only the asynchronous trainer pauses the "
+                "engines (docs/async.md)"
+            )
+        flags.append("--train.partial_rollout_enable")
+    for name, (flag, choices) in IS_CORRECTION.items():
+        value = r.get(name)
+        if value and value not in choices:
+            raise RecipeError(f"{name} must be one of {' '.join(choices)}, got '{value}'")
+        if value:
+            flags += [flag, value]
+    if r.get("IS_CORRECTION_THRESHOLD"):
+        band = _numbers(r, "IS_CORRECTION_THRESHOLD", (1, 2), "'HIGH' or 'LOW HIGH' (numbers)")
+        flags += ["--algo.advantage.is_correction_threshold", *band]
+    tuning = [n for n in (*list(IS_CORRECTION)[1:], "IS_CORRECTION_THRESHOLD") if r.get(n)]
+    if tuning and r.get("IS_CORRECTION_LEVEL") in ("", "off"):
+        raise RecipeError(
+            f"IS_CORRECTION_LEVEL must be token or seq when {', '.join(tuning)} is set: the "
+            "correction's mode, gating and threshold do nothing without a level "
+            "(docs/rollout-correction.md)"
+        )
+    if _switch(r, "DYNAMIC_FILTERING"):
+        flags.append("--algo.dynamic_filtering_enable")
+        if r.get("DYNAMIC_FILTERING_RANGE"):
+            band = _numbers(r, "DYNAMIC_FILTERING_RANGE", (2,), "'LO HI' (two numbers)")
+            flags += ["--algo.dynamic_filtering_range", *band]
+    elif r.get("DYNAMIC_FILTERING_RANGE"):
+        raise RecipeError(
+            "DYNAMIC_FILTERING_RANGE needs DYNAMIC_FILTERING=1: OpenRLHF ignores a range "
+            "without the filter (docs/dynamic-filtering.md)"
+        )
+    return flags
 
 
 def sanitize(name: str) -> str:
@@ -437,6 +518,8 @@ def plan(
         train_args += ["--eval.n_samples_per_prompt", s["EVAL_N_SAMPLES"]]
         if s["BEST_CKPT"] != "1":
             train_args += ["--ckpt.best_metric_key", "none"]
+
+    train_args += off_policy_flags(r, s["COLOCATE"] == "1")
 
     exports = {"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     if r.get("NET_IFACE"):
