@@ -58,9 +58,12 @@ def refusal(level: str, mode: str, gating: str, low: float, high: float) -> str 
     if level not in LEVELS or mode not in MODES or gating not in GATINGS:
         return f"level, mode and gating must be in {LEVELS}, {MODES} and {GATINGS}"
     if level == "off":
-        if (mode, gating, (low, high)) != ("mask", "ratio", DEFAULT_BAND):
+        given = {"mode": mode != "mask", "gating": gating != "ratio"}
+        given["threshold"] = (low, high) != DEFAULT_BAND
+        changed = [f"--algo.advantage.is_correction_{name}" for name, on in given.items() if on]
+        if changed:
             return (
-                "--algo.advantage.is_correction_mode, _gating and _threshold do nothing without "
+                f"{' and '.join(changed)} do nothing without "
                 "--algo.advantage.is_correction_level token or seq"
             )
         return None
