@@ -158,8 +158,9 @@ def _start_order(item: pytest.Item) -> int:
 
 
 def _starts_ray(item: pytest.Item) -> bool:
-    """Whether a test uses the shared Ray cluster or its module calls ``ray.init`` itself."""
-    return RAY_CLUSTER_FIXTURE in item.fixturenames or _calls_ray_init(item.path)
+    """Whether a test uses a module's Ray cluster or its module calls ``ray.init`` itself."""
+    clusters = {RAY_CLUSTER_FIXTURE, "ray_address"}
+    return bool(clusters & set(item.fixturenames)) or _calls_ray_init(item.path)
 
 
 @functools.cache
@@ -200,6 +201,16 @@ def _toy(root: Path, architecture: str) -> dict[str, Path]:
         "train": write_jsonl(train_problems, root / "train.jsonl"),
         "eval": write_jsonl(eval_problems[:16], root / "eval.jsonl"),
     }
+
+
+@pytest.fixture(scope="module")
+def ray_address() -> Iterator[str]:
+    """A local Ray cluster with three fake GPUs for a module's pipeline runs to join, as the
+    demo starts one (a module with its own breakages in its workers overrides it)."""
+    from drpo_openrlhf.demo.training import local_ray_cluster
+
+    with local_ray_cluster(num_gpus=3) as address:
+        yield address
 
 
 @pytest.fixture(scope="module")

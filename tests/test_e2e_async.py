@@ -10,17 +10,10 @@ import math
 import pytest
 from test_e2e_pipeline import changed_tensors, train
 
-from drpo_openrlhf.demo.training import local_ray_cluster
 from drpo_openrlhf.eval.tensorboard_logs import read_scalars
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 SYNC = "drpo_openrlhf: weight sync {when} checked: 1 engine(s) hold the"
-
-
-@pytest.fixture(scope="module")
-def ray_address():
-    with local_ray_cluster(num_gpus=3) as address:
-        yield address
 
 
 def test_async_drpo_trains_every_sync_checked_then_resumes_under_partial_rollout(

@@ -22,7 +22,6 @@ import torch
 from safetensors.torch import load_file
 from time_bounds import Deadline, scaled
 
-from drpo_openrlhf.demo.training import local_ray_cluster
 from drpo_openrlhf.eval.tensorboard_logs import read_scalars
 from drpo_openrlhf.process_tree import RAY_OVERRIDE_TIP
 
@@ -37,12 +36,6 @@ RUN_TIMEOUT_S = 600
 # this variable, so other runs on the same machine are not counted as this one's leftovers.
 SESSION_MARK = f"DRPO_TEST_SESSION={os.getpid()}".encode()
 os.environ["DRPO_TEST_SESSION"] = str(os.getpid())
-
-
-@pytest.fixture(scope="module")
-def ray_address():
-    with local_ray_cluster(num_gpus=3) as address:
-        yield address
 
 
 def session_processes(markers=LEFTOVER_MARKERS) -> list[tuple[int, str]]:

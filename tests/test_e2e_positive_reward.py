@@ -12,7 +12,6 @@ import math
 import pytest
 from test_e2e_pipeline import assert_drpo_logged, train
 
-from drpo_openrlhf.demo.training import local_ray_cluster
 from drpo_openrlhf.rewards.grading import grade_responses
 from drpo_openrlhf.rewards.positive_reward import PROBE_PROMPT
 
@@ -33,12 +32,6 @@ def positive_reward(texts, lengths, labels, prompt=None):
         log.write("\\n")
     return [7.0 - min(text.count("Wait"), 1) for text in texts]
 """
-
-
-@pytest.fixture(scope="module")
-def ray_address():
-    with local_ray_cluster(num_gpus=3) as address:
-        yield address
 
 
 def test_a_plugin_file_ranks_the_correct_responses_then_its_failure_stops_the_run(
