@@ -4,7 +4,12 @@ checkpoint-path preflight. ``tests/test_faults.py`` injects the faults into real
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -204,6 +209,58 @@ def test_a_non_finite_gradient_norm_or_a_skipped_step_stops_the_run():
             check_finite_update(norm)
     with pytest.raises(NonFiniteUpdateError, match="skipped by DeepSpeed"):
         check_finite_update(2.37, skipped=True)  # ZeRO-1/2/3 keep the last step's norm
+    with pytest.raises(NonFiniteUpdateError, match="weights it left hold NaN"):
+        check_finite_update(1.0, weights_finite=False)  # fp32 ZeRO: a NaN's norm reads 1.0
+
+
+NAN_STEP = """
+import json, os, torch, deepspeed
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"], RANK="0",
+                  WORLD_SIZE="1", LOCAL_RANK="0")
+deepspeed.init_distributed("gloo")
+from drpo_openrlhf.update.actor_trainer import finite_weights
+for dtype in ("fp32", "bf16"):
+    for stage in (0, 1, 2, 3):
+        model = torch.nn.Linear(4, 4)
+        config = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0,
+                  "zero_optimization": {"stage": stage}, "bf16": {"enabled": dtype == "bf16"},
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          config=config)
+        before = finite_weights(engine.module)
+        x = torch.randn(1, 4, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
+        engine.backward(engine(x).float().sum() * float("nan"))
+        engine.step()
+        norm = engine.get_global_grad_norm()
+        print(json.dumps({"dtype": dtype, "stage": stage, "before": before,
+                          "finite": finite_weights(engine.module),
+                          "skipped": engine.skipped_steps,
+                          "norm": None if norm is None else float(norm)}))
+"""
+
+
+def test_a_nan_step_is_seen_under_every_zero_stage_in_fp32_and_bf16(tmp_path):
+    """What DeepSpeed does with a NaN gradient, from the installed DeepSpeed itself: each of
+    ZeRO-0..3 in fp32 and bf16 either skips the step (``skipped_steps``) or leaves NaN weights
+    that ``finite_weights`` sees (bf16 ZeRO-3 and every fp32 stage apply it, reporting a
+    finite norm: 1.0 or 0.0), so ``check_finite_update`` stops every one."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = str(free.getsockname()[1])
+    env = {**os.environ, "PORT": port, "DS_ACCELERATOR": "cpu"}
+    done = subprocess.run(
+        [sys.executable, "-c", NAN_STEP], capture_output=True, text=True, env=env, timeout=600
+    )  # a hang guard: 8 engines in 20-40 s
+    assert done.returncode == 0, done.stderr[-3000:]
+    cases = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(cases) == 8, done.stdout
+    for case in cases:
+        assert case["before"], case
+        with pytest.raises(NonFiniteUpdateError):
+            check_finite_update(case["norm"], case["skipped"] > 0, case["finite"])
+    applied = {(c["dtype"], c["stage"]) for c in cases if not c["finite"]}
+    assert {("fp32", stage) for stage in range(4)} <= applied, cases  # fp32: no overflow check
+    assert all(c["norm"] is None or math.isfinite(c["norm"]) for c in cases if not c["finite"])
 
 
 def test_checkpoint_path_under_a_file_is_refused(tmp_path):

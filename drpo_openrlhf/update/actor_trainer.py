@@ -473,7 +473,9 @@ class DRPOActorTrainer(ActorPPOTrainer):
             skipped = engine.skipped_steps
             self.strategy.optimizer_step(self.actor_optim, self.actor, self.actor_scheduler)
             check_finite_update(
-                self.strategy.get_grad_norm(self.actor), engine.skipped_steps > skipped
+                self.strategy.get_grad_norm(self.actor),
+                engine.skipped_steps > skipped,
+                finite_weights(engine.module),
             )
             # OpenRLHF's training_step calls moving_average once per micro-batch and it acts
             # on every accumulated_gradient-th call (every call under dynamic batching);
@@ -524,19 +526,45 @@ class NonFiniteUpdateError(FloatingPointError):
     """An optimizer step whose gradient is NaN or infinite."""
 
 
-def check_finite_update(grad_norm: float | Tensor | None, skipped: bool = False) -> None:
+def check_finite_update(
+    grad_norm: float | Tensor | None, skipped: bool = False, weights_finite: bool = True
+) -> None:
     """Stop the run after an optimizer step with a NaN or infinite gradient (a NaN loss makes
-    one). ZeRO-1/2/3 find such a gradient themselves and skip the step silently, even in
-    bf16, leaving the last norm in place (``skipped``: DeepSpeed's ``skipped_steps`` grew);
-    ZeRO-0 applies it and reports a non-finite norm. Both are the same on every rank, so all
-    ranks stop together, before the step's weights are sent to vLLM or saved: the last
-    checkpoint holds the last finite weights. ``None``: no norm computed (nothing to check)."""
-    if skipped or (grad_norm is not None and not math.isfinite(float(grad_norm))):
-        what = "skipped by DeepSpeed" if skipped else f"of norm {float(grad_norm)}"
-        raise NonFiniteUpdateError(
-            f"an optimizer step's gradient is not finite ({what}: a NaN or infinite loss, "
-            "reward or activation): stopping before these weights are used or saved"
-        )
+    one), before the step's weights are sent to vLLM or saved: the last checkpoint holds the
+    last finite weights. With an overflow check (bf16, fp16) DeepSpeed's ZeRO-1/2/3 skip such
+    a step silently, leaving the last norm in place (``skipped``: ``skipped_steps`` grew).
+    Without one (fp32, the CPU path of a CPU without native bf16) they apply it and report
+    its norm as 1.0 (the norm of DeepSpeed's -1 mark for a NaN), so only the weights tell
+    (``weights_finite``, ``finite_weights``). ZeRO-0 applies it and reports the non-finite
+    norm. All are the same on every rank, so all ranks stop together. ``grad_norm`` None: no
+    norm computed."""
+    norm = None if grad_norm is None else float(grad_norm)
+    if skipped:
+        what = "skipped by DeepSpeed"
+    elif not weights_finite:
+        what = "applied by DeepSpeed: the weights it left hold NaN or inf"
+    elif norm is not None and not math.isfinite(norm):
+        what = f"of norm {norm}"
+    else:
+        return
+    raise NonFiniteUpdateError(
+        f"an optimizer step's gradient is not finite ({what}: a NaN or infinite loss, "
+        "reward or activation): stopping before these weights are used or saved"
+    )
+
+
+def finite_weights(module: torch.nn.Module) -> bool:
+    """Whether every actor rank holds only finite weights after a step: each checks what it
+    holds (its ZeRO-3 partition, else the whole parameter), one flag all-reduced. A pass over
+    the rank's own weights, a small share of the optimizer step's own memory traffic."""
+    device = next(module.parameters()).device
+    bad = torch.zeros((), device=device)
+    for param in module.parameters():  # on the device: one host sync, after the reduction
+        held = getattr(param, "ds_tensor", param.data)
+        bad = torch.maximum(bad, (~torch.isfinite(held)).any().to(bad.dtype))
+    if dist.is_initialized():
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return not bool(bad)
 
 
 class FiniteCheckedPPOTrainer(ActorPPOTrainer):
@@ -546,7 +574,8 @@ class FiniteCheckedPPOTrainer(ActorPPOTrainer):
         skipped = self.actor.model.skipped_steps
         status = super().training_step(*args, **kwargs)
         grew = self.actor.model.skipped_steps > skipped
-        check_finite_update(status["metrics"].get("actor_grad_norm"), grew)
+        weights = finite_weights(self.actor.model.module)
+        check_finite_update(status["metrics"].get("actor_grad_norm"), grew, weights)
         return status
 
 
