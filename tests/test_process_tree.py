@@ -70,7 +70,18 @@ def test_tokens_nest_and_are_released(owners_env) -> None:
     assert OWNERS_VAR not in os.environ
 
 
+def as_a_terminal_starts_it() -> None:
+    """SIGINT and SIGTERM delivered and at their defaults in the child, as in a command a
+    terminal starts: a Python handler never survives exec, but an ignored or blocked signal
+    does, and in the suite SIGINT once reached these children ignored or blocked (an earlier
+    test's state in the same worker), which no command of a user's starts with."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def run_python(code: str, **popen) -> subprocess.Popen:
+    popen.setdefault("preexec_fn", as_a_terminal_starts_it)
     return subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(code)],
         stdout=subprocess.PIPE,
