@@ -531,13 +531,13 @@ def check_finite_update(
 ) -> None:
     """Stop the run after an optimizer step with a NaN or infinite gradient (a NaN loss makes
     one), before the step's weights are sent to vLLM or saved: the last checkpoint holds the
-    last finite weights. With an overflow check (bf16, fp16) DeepSpeed's ZeRO-1/2/3 skip such
-    a step silently, leaving the last norm in place (``skipped``: ``skipped_steps`` grew).
-    Without one (fp32, the CPU path of a CPU without native bf16) they apply it and report
-    its norm as 1.0 (the norm of DeepSpeed's -1 mark for a NaN), so only the weights tell
-    (``weights_finite``, ``finite_weights``). ZeRO-0 applies it and reports the non-finite
-    norm. All are the same on every rank, so all ranks stop together. ``grad_norm`` None: no
-    norm computed."""
+    last finite weights. In bf16, DeepSpeed's ZeRO-0/1/2 skip such a step silently, leaving
+    the last norm in place (``skipped``: ``skipped_steps`` grew). In fp32 (the CPU path of a
+    CPU without native bf16) every stage, and ZeRO-3 in bf16, apply it and report a finite
+    norm (1.0: the norm of DeepSpeed's -1 mark for a NaN), so only the weights tell
+    (``weights_finite``, ``finite_weights``; measured in tests/test_fault_handling.py). All
+    are the same on every rank, so all ranks stop together. ``grad_norm`` None: no norm
+    computed."""
     norm = None if grad_norm is None else float(grad_norm)
     if skipped:
         what = "skipped by DeepSpeed"
