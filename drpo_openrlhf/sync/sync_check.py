@@ -31,8 +31,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from functools import partial
-from typing import Any
+from functools import partial, wraps
+from typing import Any, TypeVar
 
 import deepspeed
 import ray
@@ -90,6 +90,26 @@ def digests_of_sent(trainer: Any) -> Iterator[dict[str, Digest]]:
         trainer.vllm_engines = engines
 
 
+Method = TypeVar("Method", bound=Callable[..., Any])
+
+
+def releasing_device_cache(method: Method) -> Method:
+    """After ``method`` (a one-off forward or gather on the actor's GPU: the probe's fp32
+    logits, each parameter gathered whole), the CUDA allocator's cached blocks go back to
+    the device: colocated vLLM engines map their KV cache into the same GPU next (about
+    2-3 GiB at 7B/8B), as OpenRLHF empties the cache after its own colocated forwards."""
+
+    @wraps(method)
+    def released(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        finally:  # the method's frame, and the tensors only it held, are gone here
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+    return released  # type: ignore[return-value]
+
+
 def _verifying(args: Any) -> bool:
     return args.drpo_run.verify_weight_sync
 
@@ -110,6 +130,7 @@ class SentDigestsActor:
     def sent_weight_digests(self) -> dict[str, Digest] | None:
         return self._sent_digests
 
+    @releasing_device_cache
     def probe_logprobs(self, token_ids: list[int]) -> list[float]:
         """The actor's log-prob of each probe token after those before it, at temperature 1
         as vLLM's prompt log-probs; run on every rank (ZeRO-3 gathers, ring attention) through
@@ -124,6 +145,7 @@ class SentDigestsActor:
             actor.temperature = temperature
         return log_probs[0].float().tolist()
 
+    @releasing_device_cache
     def actor_weights(self, digests: bool) -> dict[str, tuple] | None:
         """On rank 0, name -> (shape as sent, digest or None) of every tensor a sync sends
         (``broadcast_to_vllm``'s selection); the digests need each parameter gathered, on every
