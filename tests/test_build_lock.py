@@ -46,28 +46,33 @@ def test_the_root_is_torchs(monkeypatch, tmp_path):
     assert build_lock.extension_root() == Path(get_default_build_root())
 
 
-def watched(seconds: float, caplog) -> list[str]:
+def watched(caplog, after_s: float, seconds: float, until_named: bool = False) -> list[str]:
+    """The watch's messages over a block of ``seconds`` (or, ``until_named``, until it has
+    named a lock, then three more scans: on a loaded machine its thread may start late)."""
     with (
         caplog.at_level(logging.WARNING, logger=build_lock.__name__),
-        BuildLockWatch(after_s=WATCH_S, every_s=0.02),
+        BuildLockWatch(after_s=after_s, every_s=0.02) as watch,
     ):
-        time.sleep(seconds)
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not (until_named and watch.named):
+            time.sleep(0.01)
+        time.sleep(0.06 if until_named else 0)
     return [r.getMessage() for r in caplog.records if r.name == build_lock.__name__]
 
 
 def test_a_lock_is_named_once_after_the_bound(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     lock = plant(tmp_path, "deepspeed_shm_comm")
-    (message,) = watched(WATCH_S + 0.3, caplog)
+    (message,) = watched(caplog, WATCH_S, seconds=60, until_named=True)
     assert str(lock) in message and "remove the file" in message and "s old" in message
 
 
 def test_nothing_is_said_before_the_bound_or_without_a_lock(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    assert watched(WATCH_S + 0.3, caplog) == []  # no lock
+    assert watched(caplog, WATCH_S, seconds=WATCH_S + 0.3) == []  # no lock
     plant(tmp_path, "deepspeed_shm_comm")
     caplog.clear()
-    assert watched(WATCH_S / 4, caplog) == []  # a start quicker than the bound
+    assert watched(caplog, 60, seconds=0.05) == []  # a start quicker than the bound
     assert not [t for t in threading.enumerate() if t.name == "build-lock-watch"]
 
 
