@@ -412,8 +412,9 @@ print(s.getsockname()[1])')
 }
 
 # Why the head's `ray start` ended, in one line, from the copy of its output: the dashboard's
-# module that did not start (Ray prints the last lines of dashboard.log), else the Ray
-# processes that exited, else the last line it printed (srun's own lines aside).
+# module that did not start (Ray prints the last lines of dashboard.log), else a raylet that
+# did not register in time, else the Ray processes that exited, else the last line it printed
+# (srun's own lines aside).
 head_exit_cause() {
   wait_exit 5 "$head_tee"
   local text found
@@ -426,6 +427,11 @@ head_exit_cause() {
   if grep -qF 'Failed to start the dashboard' <<<"$text"; then
     echo "its dashboard did not start within ${RAY_DASHBOARD_STARTUP_TIMEOUT_S}s" \
       "(RAY_DASHBOARD_STARTUP_TIMEOUT_S)"
+    return 0
+  fi
+  if grep -qF 'The current node timed out during startup' <<<"$text"; then
+    echo "its raylet did not register with the GCS within the 30 s Ray allows" \
+      "(hard-coded in ray/_private/node.py; a loaded node can be that slow)"
     return 0
   fi
   found=$({ grep -oE '[A-Za-z_]+ \[exit code=[^]]*\]' <<<"$text" || true; } | paste -sd, -)

@@ -500,7 +500,11 @@ def test_a_slow_dashboard_start_leaves_the_head_up(
     job_id, info, output = real_ray_launch(cluster, data_dir, tmp_path, PYTHONPATH=str(site))
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), output
     assert len(slowed.read_text().split()) >= 5  # the dashboard's modules were held
-    assert "Ray's head exited" not in output  # the first head stayed up
+    # The first head stays up, unless Ray's own hard-coded 30 s for the raylet to register ran
+    # out (on a loaded 2-core CI machine it once did); the dashboard never takes it down.
+    exits = re.findall(r"Ray's head exited[^\n]*", output)
+    assert all("raylet did not register" in line for line in exits), exits
+    assert "dashboard did not start" not in output and "ray_client_server [exit code" not in output
     waited = launch_log_time(output, "8 GPU(s) registered") - launch_log_time(
         output, "waiting for 8 GPU(s)"
     )

@@ -17,6 +17,7 @@ unless FAKE_STOP=ignore: a step that outlasts the launcher's grace),
 FAKE_RAY_START_FAIL / FAKE_RAY_NO_REGISTER (comma-separated nodes whose `ray start` fails /
 never registers), FAKE_RAY_DASHBOARD_FAIL=N (the first N `ray start --head` calls fail as
 Ray's does when a dashboard module did not start in time: its output on stderr, exit 1),
+FAKE_RAY_RAYLET_TIMEOUT=N (the same, as when the head's raylet did not register in Ray's 30 s),
 FAKE_GPUS (GPUs `nvidia-smi -L` lists), FAKE_SUBMIT_NO_AGENT=N (the first N
 `ray job submit` calls of each submission id fail as Ray's CLI does when the dashboard finds
 no job agent on the head: its traceback on stderr, exit 1, no job).
@@ -178,9 +179,14 @@ def ray(argv: list[str]) -> int:
         if _listed("FAKE_RAY_START_FAIL"):
             print("fake ray: start failed", file=sys.stderr)
             return 1
-        if "--head" in argv and _count(state / "head-starts") < _env_int("FAKE_RAY_DASHBOARD_FAIL"):
-            sys.stderr.write(DASHBOARD_TIMEOUT_OUTPUT)
-            return 1
+        head_start = _count(state / "head-starts") if "--head" in argv else None
+        for knob, output in (
+            ("FAKE_RAY_DASHBOARD_FAIL", DASHBOARD_TIMEOUT_OUTPUT),
+            ("FAKE_RAY_RAYLET_TIMEOUT", RAYLET_TIMEOUT_OUTPUT),
+        ):
+            if head_start is not None and head_start < _env_int(knob):
+                sys.stderr.write(output)
+                return 1
         gpus = next(a.split("=", 1)[1] for a in argv if a.startswith("--num-gpus="))
         slot = state / f"gpus-{node()}"
         pid_file = state / f"node-{os.getpid()}"  # lets the tests kill leftovers by id
@@ -266,6 +272,16 @@ Traceback (most recent call last):
   File "ray/dashboard/subprocesses/handle.py", line 153, in wait_for_module_ready
     raise RuntimeError(
 RuntimeError: Module MetricsHead failed to start. Timeout after 30.0 seconds.
+"""
+
+RAYLET_TIMEOUT_OUTPUT = """\
+2026-12-02 14:32:11,204\tINFO node.py:417 -- Failed to get node info b'RPC error: Deadline \
+Exceeded'
+Traceback (most recent call last):
+  File "ray/_private/node.py", line 423, in __init__
+    raise Exception(
+Exception: The current node timed out during startup. This could happen because some of the \
+raylet failed to startup or the GCS has become overloaded.
 """
 
 
