@@ -123,3 +123,45 @@ def test_vllm_tensor_parallel_is_refused_on_cpu():
     cpu_support.check_layout(2, 1, 1, 1)
     with pytest.raises(ValueError, match=r"--vllm\.tensor_parallel_size > 1"):
         cpu_support.check_layout(2, 1, 1, 2)
+
+
+def test_the_trainer_waits_for_the_engines_when_it_fits_not_when_it_is_built(monkeypatch):
+    """OpenRLHF's driver starts the actors' models only once the trainer is constructed: a
+    wait for the engines there ran their start and DeepSpeed's set-up one after the other. The
+    trainer now waits (a failed engine named first), then tags and configures the engines, at
+    the start of ``fit``, before OpenRLHF's first look at the checkpoint."""
+    from drpo_openrlhf.runtime import ray_actors
+
+    calls: list[str] = []
+    for name in ("tag_engines", "bind_answer_format", "configure_positive_reward", "tag_version"):
+        monkeypatch.setattr(ray_actors, name, lambda *args, _name=name: calls.append(_name))
+    monkeypatch.setattr(engine_start, "wait_for_engines", lambda engines: calls.append("wait"))
+
+    class Upstream:
+        def init_checkpoint_states(self) -> dict:
+            calls.append("upstream")
+            return {"global_step": 0}
+
+    class Trainer(ray_actors.TrainerHooks, Upstream):
+        pass
+
+    trainer = Trainer()
+    run = SimpleNamespace(
+        max_logprob_gap=None, verify_weight_sync=True, max_steps_without_signal=3, method=None
+    )
+    trainer.args = SimpleNamespace(
+        drpo_run=run, ckpt=SimpleNamespace(path="unused"), ds=SimpleNamespace(param_dtype="bf16")
+    )
+    trainer.vllm_engines = ["engine 0"]
+    trainer.experience_maker = type("ExperienceMaker", (), {})()
+    trainer._install_trainer_hooks()
+    assert calls == []  # nothing waits on the engines while the actors have not started
+    trainer.init_checkpoint_states()
+    assert calls == [
+        "wait",
+        "tag_engines",
+        "bind_answer_format",
+        "configure_positive_reward",
+        "upstream",
+        "tag_version",
+    ]

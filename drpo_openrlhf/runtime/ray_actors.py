@@ -297,11 +297,7 @@ class TrainerHooks:
     def _install_trainer_hooks(self) -> None:
         run = self.args.drpo_run
         self._gap_limit = GapLimit(run.max_logprob_gap, run.verify_weight_sync)
-        # the calls below wait on the engines: one that failed to start is named first
-        engine_start.wait_for_engines(self.vllm_engines)
-        tag_engines(self.vllm_engines)  # each response names its engine (per-engine gap)
         self._signal_watch = SignalWatch(run.max_steps_without_signal)
-        bind_answer_format(self.vllm_engines, self.args)  # DRPO and the baselines alike
         if run.method:
             upstream.swap_class(self.experience_maker, ShapingExperienceMaker)
             self.experience_maker.shaper = GroupRewardShaper(
@@ -309,7 +305,6 @@ class TrainerHooks:
             )
         else:
             upstream.swap_class(self.experience_maker, GroupTaggingExperienceMaker)
-            configure_positive_reward(self.vllm_engines, self.args)
         self._step_times = StepTimes(self.args.ckpt.path)
         # (step, client states at its end, saved?) of the last finished step of this run
         self._finished: tuple[int, dict, bool] | None = None
@@ -472,7 +467,21 @@ class TrainerHooks:
             if tracker:
                 tracker.close()
 
+    def _prepare_engines(self) -> None:
+        """Wait for the engines (one that failed to start is named first), then tell them what
+        the run needs of them. Not in the constructor: OpenRLHF's driver starts the actors'
+        models only once this trainer is constructed, so waiting there would run the
+        engines' start and DeepSpeed's set-up one after the other instead of side by side."""
+        engine_start.wait_for_engines(self.vllm_engines)
+        tag_engines(self.vllm_engines)  # each response names its engine (per-engine gap)
+        bind_answer_format(self.vllm_engines, self.args)  # DRPO and the baselines alike
+        if not self.args.drpo_run.method:
+            configure_positive_reward(self.vllm_engines, self.args)
+
     def init_checkpoint_states(self):
+        """The start of ``fit`` (OpenRLHF's, or the asynchronous trainer's before its
+        generator starts): the engines are prepared before any sync or rollout."""
+        self._prepare_engines()
         states = super().init_checkpoint_states()
         if self._shaper is not None and SHAPING_STATE in states:
             self._shaper.load_state_dict(states[SHAPING_STATE])
