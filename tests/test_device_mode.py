@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import socket
 import subprocess
 import sys
 
@@ -14,7 +16,9 @@ from drpo_openrlhf.runtime.device import ClusterDevices, DeviceError, choose_mod
 from drpo_openrlhf.tiny_model import build_tiny_model
 
 REAL_GPUS = ClusterDevices("10.0.0.1:6379", 8.0, True)
-FAKE_GPUS = ClusterDevices("127.0.0.1:6379", 2.0, False)
+FAKE_GPUS = ClusterDevices("127.0.0.1:6379", 2.0, False, ("n1 (127.0.0.1)",))
+# two GPU nodes of which one has no working CUDA (a driver missing after a reboot)
+ONE_NODE_BROKEN = ClusterDevices("10.0.0.1:6379", 16.0, True, ("gpu7 (10.0.0.7)",))
 NO_GPUS = ClusterDevices(None, 0.0, None)
 UNPROBED = ClusterDevices("10.0.0.1:6379", 8.0, None)
 
@@ -43,7 +47,10 @@ def test_mode_follows_the_cluster(requested, found, mode, warns):
     ("requested", "found", "says"),
     [
         ("gpu", NO_GPUS, "no GPU resources"),
-        ("gpu", FAKE_GPUS, "sees no CUDA device"),
+        ("gpu", FAKE_GPUS, r"sees no CUDA device \(GPU resources without GPUs; node\(s\) n1 "),
+        ("gpu", ONE_NODE_BROKEN, r"on node\(s\) gpu7 \(10\.0\.0\.7\) a process holding a GPU"),
+        ("auto", ONE_NODE_BROKEN, r"--drpo.device auto: on node\(s\) gpu7 \(10\.0\.0\.7\)"),
+        ("cpu", ONE_NODE_BROKEN, "drop --drpo.device cpu"),
         ("cpu", REAL_GPUS, "drop --drpo.device cpu"),
         ("tpu", NO_GPUS, "must be one of"),
     ],
@@ -75,8 +82,11 @@ def test_probe_asks_a_process_holding_a_gpu(fake_gpu_ray):
         timeout=scaled(180),
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    found = ClusterDevices(**json.loads(done.stdout.strip().splitlines()[-1]))
+    answer = json.loads(done.stdout.strip().splitlines()[-1])
+    found = ClusterDevices(**{**answer, "nodes_without_cuda": tuple(answer["nodes_without_cuda"])})
     assert found.gpus == 2.0 and found.worker_cuda is False
+    (node,) = found.nodes_without_cuda  # the cluster's one node, by host name and address
+    assert re.fullmatch(rf"{re.escape(socket.gethostname())} \([0-9.]+\)", node), node
     assert found.address and found.address.endswith(fake_gpu_ray.rsplit(":", 1)[-1])
     assert choose_mode("auto", found)[0] == "cpu"
 
@@ -102,6 +112,7 @@ def test_gpu_requested_of_fake_gpus_stops_before_anything_starts(fake_gpu_ray, t
     )
     assert done.returncode == 2, done.stderr[-3000:]
     assert "--drpo.device gpu, but a process holding one of the cluster's 2 GPUs" in done.stderr
+    assert f"node(s) {socket.gethostname()} (" in done.stderr
 
 
 def test_a_cluster_that_is_gone_is_a_clear_error(monkeypatch):

@@ -267,7 +267,7 @@ def test_method_selection(harness, env, estimator, tail, run_name) -> None:
     method = env["METHOD"]
     if method not in ("drpo", "disco"):  # only the run option, no DRPO hyper-parameter
         drpo_flags = [a for a in run.train_args if a.startswith("--drpo.")]
-        assert drpo_flags == ["--drpo.max_steps"]
+        assert drpo_flags == ["--drpo.max_steps", "--drpo.device"]
     assert run.args()["ckpt.path"] == str(harness.tmp / "out" / run_name / "ckpt")
     assert_flags_known(run)
     config, shaping, _ = parse(run.train_args)

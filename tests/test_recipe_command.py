@@ -18,6 +18,7 @@ from record_launcher_commands import FIXTURE, REPO, launch, launch_env, placehol
 from drpo_openrlhf.algo import DRPOConfig
 from drpo_openrlhf.algo.shaping import METHODS as SHAPING_METHODS
 from drpo_openrlhf.runtime import recipe
+from drpo_openrlhf.runtime.device import DEVICES
 from drpo_openrlhf.runtime.train_defaults import DRPO_DEFAULTS, baseline_defaults
 
 CASES = json.loads(FIXTURE.read_text())
@@ -123,6 +124,7 @@ def test_defaults_have_one_home() -> None:
     assert recipe.SETTINGS["LENGTH_REWARD"] == config.length_reward
     assert recipe.SETTINGS["TEMPERATURE"] == DRPO_DEFAULTS["--rollout.temperature"][0]
     assert recipe.SHAPED_METHODS == SHAPING_METHODS
+    assert recipe.DEVICES == DEVICES
     assert baseline_defaults("rloo_lp")["--algo.advantage.estimator"] == ["rloo"]
 
 

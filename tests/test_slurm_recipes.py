@@ -615,6 +615,7 @@ def test_real_pipeline_requeues_and_resumes(cluster: SlurmCluster, toy, tmp_path
         "GPUS_PER_NODE": "2",
         "COLOCATE": "0",
         "ATTN_IMPL": "sdpa",
+        "DEVICE": "auto",  # the cluster's GPUs do not exist: the CPU run
         "PACKING": "0",  # OpenRLHF packs rows for flash-attn's varlen kernels
         "VLLM_GPU_UTIL": "0.1",  # on CPU: the share of memory for the KV cache
         "EXTRA_ARGS": "--vllm.enforce_eager",

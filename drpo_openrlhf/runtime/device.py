@@ -32,12 +32,15 @@ class ClusterDevices:
 
     ``address``: the cluster to join (None: ``ray.init`` will start a local one on this
     machine); ``gpus``: GPU resources it advertises; ``worker_cuda``: whether a process holding
-    one of them sees CUDA (None when it could not be asked: no GPU, or none free in time).
+    one of them sees CUDA, asked on every node with GPUs (True: on some node; None when it
+    could not be asked: no GPU, or none free in time); ``nodes_without_cuda``: the nodes whose
+    process saw none, named ``host (ip)``.
     """
 
     address: str | None
     gpus: float
     worker_cuda: bool | None
+    nodes_without_cuda: tuple[str, ...] = ()
 
 
 def choose_mode(requested: str, found: ClusterDevices) -> tuple[str, str | None]:
@@ -49,14 +52,23 @@ def choose_mode(requested: str, found: ClusterDevices) -> tuple[str, str | None]
     if requested not in DEVICES:
         raise DeviceError(f"--drpo.device must be one of {DEVICES}, got {requested!r}")
     fake = found.gpus > 0 and found.worker_cuda is False
+    nodes = ", ".join(found.nodes_without_cuda) or "unnamed"
+    if found.worker_cuda and found.nodes_without_cuda and requested != "cpu":
+        # some nodes' GPUs work: a GPU run, whose actors or engines on the others would fail
+        # at their start, far from the cause
+        raise DeviceError(
+            f"--drpo.device {requested}: on node(s) {nodes} a process holding a GPU sees no "
+            "CUDA device while the cluster's other GPU nodes do: fix those nodes' CUDA setup "
+            "(driver, CUDA_VISIBLE_DEVICES) or leave them out of the job"
+        )
     if requested == "gpu":
         if found.gpus == 0:
             raise DeviceError("--drpo.device gpu, but the Ray cluster has no GPU resources")
         if fake:
             raise DeviceError(
                 f"--drpo.device gpu, but a process holding one of the cluster's {found.gpus:g} "
-                "GPUs sees no CUDA device (GPU resources without GPUs): fix the node's CUDA "
-                "setup, or use --drpo.device cpu"
+                f"GPUs sees no CUDA device (GPU resources without GPUs; node(s) {nodes}): fix "
+                "the nodes' CUDA setup, or use --drpo.device cpu"
             )
         return "gpu", None
     if requested == "cpu":
@@ -97,10 +109,48 @@ def _cuda_in_worker() -> bool:
     return torch.cuda.is_available()
 
 
+def _gpu_nodes() -> dict[str, str]:
+    """The alive nodes that advertise GPUs: node id -> ``host (ip)``."""
+    import ray
+
+    return {
+        node["NodeID"]: f"{node['NodeManagerHostname']} ({node['NodeManagerAddress']})"
+        for node in ray.nodes()
+        if node["Alive"] and node["Resources"].get("GPU", 0) > 0
+    }
+
+
+def _probe_nodes(timeout_s: float) -> tuple[bool | None, tuple[str, ...]]:
+    """Ask a process holding one GPU on each GPU node whether it sees CUDA, all at once
+    (``ClusterDevices.worker_cuda`` and ``.nodes_without_cuda``); a node with no GPU free
+    within ``timeout_s`` is not counted."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    probe = ray.remote(num_gpus=1, num_cpus=0)(_cuda_in_worker)
+    refs = {
+        probe.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
+        ).remote(): name
+        for node_id, name in _gpu_nodes().items()
+    }
+    if not refs:
+        return None, ()
+    ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    for ref in pending:
+        ray.cancel(ref, force=True)
+    answers = {refs[ref]: bool(ray.get(ref)) for ref in ready}
+    if not answers:
+        return None, ()
+    without = tuple(sorted(name for name, cuda in answers.items() if not cuda))
+    return any(answers.values()), without
+
+
 def probe_cluster(timeout_s: float = PROBE_TIMEOUT_S) -> ClusterDevices:
     """Ask the cluster that ``ray.init()`` would join (``RAY_ADDRESS``, or a running local
-    cluster) what it offers; with none to join, the local cluster OpenRLHF starts is this
-    machine, so its CUDA answers. Leaves Ray shut down, as it found it."""
+    cluster) what it offers, every GPU node of it; with none to join, the local cluster
+    OpenRLHF starts is this machine, so its CUDA answers. Leaves Ray shut down, as it found
+    it."""
     import ray
     from ray._private.services import canonicalize_bootstrap_address
 
@@ -117,17 +167,10 @@ def probe_cluster(timeout_s: float = PROBE_TIMEOUT_S) -> ClusterDevices:
     ray.init(address=address, log_to_driver=False)
     try:
         gpus = float(ray.cluster_resources().get("GPU", 0))
-        worker_cuda = None
-        if gpus > 0:
-            ref = ray.remote(num_gpus=1, num_cpus=0)(_cuda_in_worker).remote()
-            ready, _ = ray.wait([ref], timeout=timeout_s)
-            if ready:
-                worker_cuda = bool(ray.get(ref))
-            else:
-                ray.cancel(ref, force=True)
+        worker_cuda, without = _probe_nodes(timeout_s) if gpus > 0 else (None, ())
     finally:
         ray.shutdown()
-    return ClusterDevices(address, gpus, worker_cuda)
+    return ClusterDevices(address, gpus, worker_cuda, without)
 
 
 def resolve_mode(requested: str) -> tuple[str, ClusterDevices]:

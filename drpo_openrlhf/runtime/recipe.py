@@ -75,7 +75,13 @@ SETTINGS = {
     # relative: the job runs in Ray's copy of the repository
     "REWARD_FUNC": "drpo_openrlhf/rewards/math_reward.py",
     "WANDB_PROJECT": "drpo",
+    # --drpo.device: a recipe is a GPU run, and a node whose workers see no CUDA stops it
+    # before anything starts, named; auto for a test cluster of GPUs that do not exist
+    "DEVICE": "gpu",
 }
+# runtime.device.DEVICES, written out (it imports torch); tests/test_recipe_command.py holds
+# the two equal
+DEVICES = ("auto", "gpu", "cpu")
 # LONG=16k|32k: a recipe's long-response variant. Ring attention splits every packed
 # micro-batch over 2 / 4 GPUs, so each GPU holds about as many tokens of it as in the 8k
 # recipe (docs/launch.md, "Long responses"); MAX_NEW_TOKENS and RING_ATTN_SIZE still win.
@@ -358,6 +364,8 @@ def plan(
             raise RecipeError(f"{name} must be a positive integer, got '{s[name]}'")
     if s["BEST_CKPT"] not in ("0", "1"):
         raise RecipeError(f"BEST_CKPT must be 0 or 1, got '{s['BEST_CKPT']}'")
+    if s["DEVICE"] not in DEVICES:
+        raise RecipeError(f"DEVICE must be one of {' '.join(DEVICES)}, got '{s['DEVICE']}'")
 
     # Colocated (the recipes): every GPU holds one DeepSpeed rank and, time-shared, a slice of
     # a vLLM engine. COLOCATE=0: ACTOR_GPUS_PER_NODE GPUs of each node train, the others
@@ -494,7 +502,7 @@ def plan(
         *("--train.batch_size", s["TRAIN_BATCH"]),
         *("--train.micro_batch_size", s["MICRO_TRAIN_BATCH"]),
         *("--train.num_episodes", episodes, "--train.seed", s["SEED"]),
-        *("--drpo.max_steps", max_steps, *optimizer),
+        *("--drpo.max_steps", max_steps, "--drpo.device", s["DEVICE"], *optimizer),
         *("--reward.remote_url", s["REWARD_FUNC"]),
         *("--ckpt.path", ckpt_dir, "--ckpt.load_enable", "--ckpt.save_steps", s["SAVE_STEPS"]),
         *("--ckpt.max_num", s["CKPT_MAX_NUM"], "--ckpt.output_dir", f"{run_dir}/model"),
