@@ -206,7 +206,7 @@ def test_recipe_runs_under_slurm(jobs: Jobs, size: str, nodes: int, env: dict) -
     drpo_flags = [a for a in run.train_args if a.startswith("--drpo.")]
     if "METHOD" in env:  # a baseline: OpenRLHF's PPO loss on shaped rewards, no DRPO setting
         assert (args["algo.advantage.estimator"], args["shaping.method"]) == ("rloo", "rloo_lp")
-        assert drpo_flags == ["--drpo.max_steps"]
+        assert drpo_flags == ["--drpo.max_steps", "--drpo.device"]
     else:
         assert (args["algo.advantage.estimator"], args["shaping.method"]) == ("group_norm", None)
         assert (args["drpo.lam"], args["drpo.tau"], args["drpo.delta"]) == (0.1, 10.0, 1e-4)
