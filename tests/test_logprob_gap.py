@@ -240,6 +240,8 @@ def test_the_trainer_loads_the_saved_honest_gap_at_a_resume(monkeypatch):
     saved = {"global_step": 5, "logprob_gap": {"honest": 0.039, "step": 1}}
     openrlhf = ppo_trainer.PPOTrainer.__ray_actor_class__
     monkeypatch.setattr(openrlhf, "init_checkpoint_states", lambda self: dict(saved))
+    # no engines here: their preparation at the start of fit is tests/test_engine_start.py's
+    monkeypatch.setattr(ray_actors.TrainerHooks, "_prepare_engines", lambda self: None)
     trainer = ray_actors._GroupAwarePPOTrainer.__new__(ray_actors._GroupAwarePPOTrainer)
     trainer.experience_maker, trainer.vllm_engines = SimpleNamespace(), []
     trainer.args = SimpleNamespace(

@@ -141,6 +141,8 @@ def test_hapo_history_across_steps_and_checkpoint(monkeypatch, tmp_path):
         "init_checkpoint_states",
         lambda self: {"global_step": 1, ray_actors.SHAPING_STATE: state},
     )
+    # no engines here: their preparation at the start of fit is tests/test_engine_start.py's
+    monkeypatch.setattr(ray_actors.TrainerHooks, "_prepare_engines", lambda self: None)
     trainer.init_checkpoint_states()
     step2_resumed = resumed.compute_advantages_and_returns(fake_rollout(list(range(12))))
     step2_continued = first.compute_advantages_and_returns(fake_rollout(list(range(12))))
