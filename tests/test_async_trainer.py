@@ -363,6 +363,7 @@ def hooked_trainer(cls, honest: float = 0.002):
     t.args = SimpleNamespace(
         drpo=DRPOConfig(),
         rollout=SimpleNamespace(n_samples_per_prompt=N),
+        train=SimpleNamespace(batch_size=N),  # one group a step: every rollout trains
         algo=SimpleNamespace(advantage=SimpleNamespace(estimator="group_norm")),
     )
     t.experience_maker, t._signal_watch = SimpleNamespace(), SignalWatch(3)

@@ -13,6 +13,7 @@ from drpo_openrlhf.algo import DRPOConfig
 from drpo_openrlhf.runtime import ray_actors
 from drpo_openrlhf.runtime.checkpoints import mark_complete, stop_message
 from drpo_openrlhf.update.keys import GROUP_KEY
+from drpo_openrlhf.update.layout import UNTRAINED, Layout, deal_rollout
 from drpo_openrlhf.update.signal_watch import (
     NoLearningSignalError,
     SignalWatch,
@@ -200,6 +201,44 @@ def test_the_run_stops_at_the_kth_rollout_in_a_row_and_not_before():
     assert "\n" not in message  # the stop line shows its first line only
 
 
+def test_a_rollout_too_short_for_one_step_has_no_signal_whatever_its_groups_hold():
+    # dynamic filtering out of prompts: 2 learnable-looking groups, 3 to a step
+    short = rollout_signal(rollout([MIXED[0]] * 2), DRPOConfig(), N, groups_per_step=3)
+    assert short.learnable == 2 and short.short and short.without_signal
+    watch = SignalWatch(2)
+    line = watch.observe(1, short, "filter kept 2 of 3 prompts")
+    assert "learnable groups 2/2, filter kept 2 of 3 prompts" in line
+    assert "no learning signal (1 of 2 in a row" in line
+    assert "holds 2 prompt groups, fewer than the 3 of one optimizer step" in line
+    assert "equal shaped rewards" not in line  # the baselines' reason: not this one
+    watch.check()
+    watch.observe(2, short)
+    with pytest.raises(NoLearningSignalError, match="fewer than the 3 of one optimizer step"):
+        watch.check()
+    # a rollout of exactly one step's groups, or a baseline's (no step size), trains
+    whole = rollout_signal(rollout([MIXED[0]] * 3), DRPOConfig(), N, groups_per_step=3)
+    assert not whole.short and not whole.without_signal
+    assert not rollout_signal(rollout([MIXED[0]] * 2), DRPOConfig(), N).short
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_short_is_exactly_when_the_deal_trains_no_response(world):
+    """The driver's rule against the actor's planner: ``short`` holds exactly when the deal
+    of a partial rollout leaves every response ``UNTRAINED``."""
+    for groups_per_step in (1, 2, 3):
+        for groups in range(1, 2 * groups_per_step + 2):
+            layout = Layout(world, N, 2 * groups_per_step + 1, groups_per_step * N, 1)
+            if groups_per_step * N % world:
+                continue
+            ids = [i // N for i in range(groups * N)]
+            dealt = deal_rollout(ids, layout, allow_partial=True)
+            trains = any(slot != UNTRAINED for pairs in dealt for _, slot in pairs)
+            signal = rollout_signal(
+                rollout([MIXED[0]] * groups), DRPOConfig(), N, groups_per_step=groups_per_step
+            )
+            assert signal.short == (not trains), (world, groups_per_step, groups)
+
+
 def test_zero_never_stops_and_says_so():
     watch = SignalWatch(0)
     stuck = rollout_signal(rollout(NO_THINK_END), DRPOConfig(), N)
@@ -216,13 +255,14 @@ def test_a_limit_must_be_a_count(limit):
         SignalWatch(limit)
 
 
-def trainer(limit: int, method: str | None = None):
+def trainer(limit: int, method: str | None = None, groups_per_step: int = 1):
     """The driver's trainer without Ray or OpenRLHF's constructor: what ``_watch_signal``
     reads."""
     t = ray_actors._GroupAwarePPOTrainer.__new__(ray_actors._GroupAwarePPOTrainer)
     t.args = SimpleNamespace(
         drpo=DRPOConfig(),  # as launch.py sends it
         rollout=SimpleNamespace(n_samples_per_prompt=N),
+        train=SimpleNamespace(batch_size=groups_per_step * N),
         algo=SimpleNamespace(advantage=SimpleNamespace(estimator="group_norm")),
     )
     t.experience_maker = SimpleNamespace(shaper=object()) if method else SimpleNamespace()
@@ -251,6 +291,18 @@ def test_a_baseline_trainer_uses_the_shaped_rewards(capsys):
     mixed = trainer(limit=1, method="rloo_lp")
     stats = mixed._watch_signal(rollout(MIXED, shaped=[0.8, 0.0, 0.0, 0.9, 0.0, 0.0, 0.0, 0.0]))
     assert stats["rollout/learnable_group_fraction"] == 0.5
+
+
+def test_the_trainer_stops_a_drpo_run_whose_rollouts_fill_no_optimizer_step(capsys):
+    t = trainer(limit=1, groups_per_step=3)  # --train.batch_size 12, n 4: 3 groups a step
+    t._rollout_step = 1
+    with pytest.raises(NoLearningSignalError, match="holds 2 prompt groups, fewer than the 3"):
+        t._watch_signal(rollout(MIXED))  # 2 groups, one of them learnable
+    assert "learnable groups 1/2 | " in capsys.readouterr().out
+    # a baseline's update takes the rollout as it comes
+    assert trainer(limit=1, method="rloo_lp", groups_per_step=3)._watch_signal(
+        rollout(MIXED, shaped=[0.8, 0.0, 0.0, 0.9, 0.0, 0.0, 0.0, 0.0])
+    ) == {"rollout/steps_without_signal": 0.0, "rollout/learnable_group_fraction": 0.5}
 
 
 def test_the_stop_line_names_the_checkpoint_and_the_change_to_rerun_with(tmp_path):

@@ -351,11 +351,13 @@ class TrainerHooks:
         the run, before the update, once too many rollouts in a row had nothing to learn
         from (``signal_watch``)."""
         config = None if self._shaper is not None else self.args.drpo
+        n = self.args.rollout.n_samples_per_prompt
         rollout = rollout_signal(
             experiences,
             config,
-            self.args.rollout.n_samples_per_prompt,
+            n,
             self.args.algo.advantage.estimator,
+            groups_per_step=None if config is None else self.args.train.batch_size // n,
         )
         filtered = self._filter_report()
         notes = [lag.describe() if lag and self._shows_policy_lag else None]

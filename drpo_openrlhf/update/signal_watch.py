@@ -6,8 +6,9 @@ lasts. So the driver prints, for every rollout before its update, the share of e
 reward function gave (its per-response 0/1 ``extra_logs``, ``prefix/reason``) and how many
 prompt groups the update can learn from, by the algorithm's own rule (``algo.learnable`` for
 DRPO; for the baselines, groups whose shaped rewards differ: ``algo.advantages``). A rollout
-with none says why and what to change; after ``--drpo.max_steps_without_signal`` such
-rollouts in a row the run stops, before that rollout's update.
+with none, or with fewer groups than one DRPO optimizer step takes, says why and what to
+change; after ``--drpo.max_steps_without_signal`` such rollouts in a row the run stops, before
+that rollout's update.
 """
 
 from __future__ import annotations
@@ -130,7 +131,10 @@ class RolloutSignal:
     ``learnable`` is ``None`` where no group rule applies (a baseline under an estimator that
     compares across the batch). ``wrong_reasons`` and ``truncated_wrong`` are taken over the
     incorrect responses only; ``all_correct_fix`` is what to change about all-correct groups
-    in this run.
+    in this run. ``groups_per_step`` is the prompt groups of one DRPO optimizer step
+    (``--train.batch_size / n``; None for the baselines, whose update takes any count): the
+    update trains on whole steps only, so a rollout of fewer groups trains on none of them,
+    whatever they hold (a short last rollout, or dynamic filtering out of prompts to refill).
     """
 
     responses: int
@@ -143,13 +147,28 @@ class RolloutSignal:
     wrong_reasons: dict[str, dict[str, float]]
     truncated_wrong: float
     all_correct_fix: str
+    groups_per_step: int | None = None
+
+    @property
+    def short(self) -> bool:
+        """Too few groups for one optimizer step: the update trains on nothing."""
+        return self.groups_per_step is not None and self.groups < self.groups_per_step
 
     @property
     def without_signal(self) -> bool:
-        return self.learnable == 0
+        return self.learnable == 0 or self.short
 
     def diagnosis(self) -> str:
         """Why no group can teach the update anything, and what to change."""
+        if self.short:
+            return (
+                f"the rollout holds {self.groups} prompt group{'s' * (self.groups != 1)}, "
+                f"fewer than the "
+                f"{self.groups_per_step} of one optimizer step (--train.batch_size / "
+                "--rollout.n_samples_per_prompt), so the update trains on none of them: "
+                "under dynamic filtering, prompts to refill from (more prompts than "
+                "--rollout.batch_size) or a smaller --train.batch_size"
+            )
         parts = []
         if self.all_wrong:
             said = f"{self.all_wrong} of {self.groups} groups all wrong"
@@ -206,11 +225,13 @@ def rollout_signal(
     n_samples: int,
     estimator: str = "",
     group_ids: Tensor | None = None,
+    groups_per_step: int | None = None,
 ) -> RolloutSignal:
     """A rollout's ``RolloutSignal``: DRPO's groups under ``config``, or, with ``config``
     None, a baseline's under OpenRLHF's advantage ``estimator``. ``group_ids`` (one per
     response) stand in for the groups' tags where none were written yet (the samples
-    generator's responses: ``runtime/dynamic_filter.py``)."""
+    generator's responses: ``runtime/dynamic_filter.py``); ``groups_per_step`` as in
+    ``RolloutSignal``."""
     sizes = [e.scores.numel() for e in experiences]
     correct = correctness(torch.cat([e.scores.reshape(-1) for e in experiences]))
     if group_ids is None:
@@ -244,6 +265,7 @@ def rollout_signal(
         wrong_reasons=reason_shares(columns, wrong),
         truncated_wrong=truncated_wrong,
         all_correct_fix=all_correct_fix,
+        groups_per_step=groups_per_step,
     )
 
 
