@@ -163,9 +163,8 @@ class RolloutSignal:
         if self.short:
             return (
                 f"the rollout holds {self.groups} prompt group{'s' * (self.groups != 1)}, "
-                f"fewer than the "
-                f"{self.groups_per_step} of one optimizer step (--train.batch_size / "
-                "--rollout.n_samples_per_prompt), so the update trains on none of them: "
+                f"fewer than the {self.groups_per_step} of one optimizer step (--train.batch_size "
+                "/ --rollout.n_samples_per_prompt), so the update trains on none of them: "
                 "under dynamic filtering, prompts to refill from (more prompts than "
                 "--rollout.batch_size) or a smaller --train.batch_size"
             )
