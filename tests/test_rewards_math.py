@@ -387,20 +387,20 @@ def test_pool_that_cannot_start_fails_fast(tmp_path):
         pool.close()
 
 
-class _SlowFakePool:
-    """Answers every job ``outcome`` after ``delay_s``, counting submissions."""
+class _HeldFakePool:
+    """Answers every job ``outcome`` once released, counting submissions: the test decides
+    when a grading ends, not a timer racing the threads' start on a loaded machine."""
 
-    def __init__(self, outcome: tuple[bool, str], delay_s: float = 0.3):
-        self.outcome, self.delay_s, self.submitted = outcome, delay_s, []
+    def __init__(self, outcome: tuple[bool, str]):
+        self.outcome, self.submitted, self.released = outcome, [], threading.Event()
 
     def submit(self, gold, pred, timeout_s):
-        future = Future()
         self.submitted.append(pred)
-        threading.Timer(self.delay_s, future.set_result, [self.outcome]).start()
-        return future
+        return Future()
 
     def wait(self, future):
-        return future.result(timeout=scaled(10))  # a 0.3 s timer: a hang guard
+        assert self.released.wait(timeout=scaled(30)), "the test never released the pool"
+        return self.outcome
 
     def grade_many(self, pairs, timeout_s):
         return [self.wait(self.submit(gold, pred, timeout_s)) for gold, pred in pairs]
@@ -415,18 +415,26 @@ def test_concurrent_repeats_share_one_grading(monkeypatch, outcome, cached):
     a timeout is not."""
     from drpo_openrlhf.rewards import grading
 
-    pool = _SlowFakePool(outcome)
+    pool = _HeldFakePool(outcome)
     monkeypatch.setattr(grading, "get_pool", lambda: pool)
+    joined = threading.Semaphore(0)
+    find_or_submit = grading._verdicts.find_or_submit
+
+    def counted(*args):
+        found = find_or_submit(*args)
+        joined.release()
+        return found
+
+    monkeypatch.setattr(grading._verdicts, "find_or_submit", counted)
     label = f"{time.monotonic_ns()}\\sqrt{{2}}"  # a label no other test has graded
     response = r1("\\sqrt{3}")
-    start = threading.Barrier(16)
-
-    def call():
-        start.wait()
-        return grade_responses([response], [label])[0]
-
-    with ThreadPoolExecutor(max_workers=16) as ex:
-        results = list(ex.map(lambda _: call(), range(16)))
+    calls = 16
+    with ThreadPoolExecutor(max_workers=calls) as ex:
+        futures = [ex.submit(grade_responses, [response], [label]) for _ in range(calls)]
+        for _ in range(calls):  # every call has found the grading under way...
+            assert joined.acquire(timeout=scaled(30)), "a call never reached the verdicts"
+        pool.released.set()  # ...before it ends
+        results = [f.result()[0] for f in futures]
     assert {r.reason for r in results} == {outcome[1]}
     assert len(pool.submitted) == 1
     grade_responses([response], [label])
