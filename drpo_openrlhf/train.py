@@ -376,9 +376,9 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     layout_from_args(args).check()
 
 
-def parse(argv: list[str]) -> tuple[DRPOConfig, RunOptions, list[str]]:
-    """DRPO config, run options (``runtime/options.py``: baseline shaping, step limit, ...)
-    and the OpenRLHF argv (defaults applied) of a command line.
+def parse(argv: list[str]) -> tuple[RunOptions, list[str]]:
+    """The run options (``runtime/options.py``: the DRPO config as ``options.drpo``, baseline
+    shaping, step limit, ...) and the OpenRLHF argv (defaults applied) of a command line.
 
     Exits with a usage error for unknown, invalid or DRPO-incompatible flags."""
     parser = build_parser()
@@ -403,11 +403,11 @@ def parse(argv: list[str]) -> tuple[DRPOConfig, RunOptions, list[str]]:
         dynamic_filter.check_range(args, options.drpo, given)
     except ValueError as error:  # LayoutError included
         parser.error(str(error))
-    return options.drpo, options, openrlhf_argv
+    return options, openrlhf_argv
 
 
 def main(argv: list[str] | None = None) -> None:
-    _, options, openrlhf_argv = parse(list(sys.argv[1:] if argv is None else argv))
+    options, openrlhf_argv = parse(list(sys.argv[1:] if argv is None else argv))
     print(f"drpo_openrlhf: {options.answer_format_line}", flush=True)
     if options.memory_plan:
         print(f"Estimated peak GPU memory (docs/launch.md, Memory plan):\n{options.memory_plan}")

@@ -382,7 +382,8 @@ def run_worker(args: argparse.Namespace) -> None:
     data = synthetic_rollout(args, MODELS[args.model]["vocab_size"])
     if args.worker == "drpo":  # dealt as DRPO's experience maker deals it
         trainer.__class__ = drpo_module.DRPOActorTrainer
-        trainer.enable_drpo(DRPOConfig(kl_estimate=args.kl_estimate))
+        config = DRPOConfig(kl_estimate=args.kl_estimate, max_len=args.response_len[1])
+        trainer.enable_drpo(config)
         positions, info = testing.dealt_share(data["group"], trainer.drpo_layout, args.rank)
     else:  # OpenRLHF's contiguous chunk
         if args.ppo_drop_logits:

@@ -88,7 +88,7 @@ def drpo_gradient(actor, data, old_log_probs, group, device: str) -> torch.Tenso
         on["correct"],
         group.to(device),
     )
-    loss, _ = minibatch_loss(scalars, DRPOConfig(lam=0.1), max_len=MAX_RESPONSE)
+    loss, _ = minibatch_loss(scalars, DRPOConfig(lam=0.1, max_len=MAX_RESPONSE))
     loss.backward()
     return torch.cat([p.grad.double().flatten().cpu() for p in actor.parameters()])
 

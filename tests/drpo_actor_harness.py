@@ -492,7 +492,7 @@ def reference_weights(case: Case, world: int) -> tuple[list[torch.Tensor], list[
                     weights=weights,
                 )
             )
-        loss, _ = minibatch_loss(ResponseScalars.concat(parts), drpo_config(case), max_len=8)
+        loss, _ = minibatch_loss(ResponseScalars.concat(parts), drpo_config(case))
         optim.zero_grad()
         loss.backward()
         optim.step()

@@ -56,7 +56,7 @@ def split_gradient(policy, old_log_probs, rollout, micro_batches, config):
 
     with torch.no_grad():  # pass 1: scalars only (what ranks would all-gather)
         gathered = ResponseScalars.concat([scalars(idx, k) for k, idx in enumerate(micro_batches)])
-    score_coef, kl_coef, metrics = loss_coefficients(gathered, config, max_len=MAX_T)
+    score_coef, kl_coef, metrics = loss_coefficients(gathered, config)
     policy.zero_grad()
     start = 0
     for k, idx in enumerate(micro_batches):  # pass 2: one backward per micro-batch
@@ -80,7 +80,7 @@ def one_piece_gradient(policy, old_log_probs, rollout, micro_batches, config):
         )
         for k, idx in enumerate(micro_batches)
     ]
-    loss, _ = minibatch_loss(ResponseScalars.concat(parts), config, max_len=MAX_T)
+    loss, _ = minibatch_loss(ResponseScalars.concat(parts), config)
     policy.zero_grad()
     loss.backward()
     return policy.weight.grad.clone(), loss.detach()
@@ -104,7 +104,7 @@ def test_split_gradient_is_exact(seed, micro_size, kl_estimate, lam):
             0.3 * torch.randn(DIM, VOCAB, generator=torch.Generator().manual_seed(99))
         )
         old_log_probs = old_policy(rollout[0], rollout[1])
-    config = DRPOConfig(lam=lam, kl_estimate=kl_estimate)
+    config = DRPOConfig(lam=lam, kl_estimate=kl_estimate, max_len=MAX_T)
     micro_batches = random_micro_batches(seed, rollout[0].shape[0], micro_size)
     split, metrics = split_gradient(policy, old_log_probs, rollout, micro_batches, config)
     whole, loss = one_piece_gradient(policy, old_log_probs, rollout, micro_batches, config)
@@ -145,7 +145,7 @@ def test_one_pass_microstep_gradient_is_exact(seed, options):
     policy = ToyPolicy(seed)
     with torch.no_grad():
         old_log_probs = ToyPolicy(seed + 50)(features, tokens)
-    config = DRPOConfig(kl_estimate="microstep", **options)
+    config = DRPOConfig(kl_estimate="microstep", max_len=MAX_T, **options)
     micro_batches = group_micro_batches(seed, num_prompts, n)
 
     policy.zero_grad()
@@ -159,7 +159,7 @@ def test_one_pass_microstep_gradient_is_exact(seed, options):
             k,
         )
         score_coef, kl_coef = microstep_coefficients(
-            r, config, MAX_T, num_groups=num_prompts, num_microsteps=len(micro_batches)
+            r, config, num_groups=num_prompts, num_microsteps=len(micro_batches)
         )
         surrogate_loss(r.score, r.kl_sum, score_coef, kl_coef).backward()
     one_pass = policy.weight.grad.clone()
@@ -190,7 +190,7 @@ def test_score_pass_then_penalty_pass_gives_the_minibatch_gradient(seed, far, op
         gen = torch.Generator().manual_seed(seed)
         # pi_old above pi_theta on the tokens: KL about 0.05 (hinge active) or 0 (inactive)
         old_log_probs = policy(features, tokens) + far * 0.1 * torch.rand(MAX_T, generator=gen)
-    config = DRPOConfig(kl_estimate="minibatch", **options)
+    config = DRPOConfig(kl_estimate="minibatch", max_len=MAX_T, **options)
     micro_batches = group_micro_batches(seed, num_prompts, n)
 
     def scalars(k, idx):
@@ -201,10 +201,10 @@ def test_score_pass_then_penalty_pass_gives_the_minibatch_gradient(seed, far, op
     parts = []
     for k, idx in enumerate(micro_batches):
         r = scalars(k, idx)
-        score_coef = group_score_coefficients(r, config, MAX_T, num_groups=num_prompts)
+        score_coef = group_score_coefficients(r, config, num_groups=num_prompts)
         surrogate_loss(r.score, r.kl_sum, score_coef, torch.zeros_like(score_coef)).backward()
         parts.append(r)
-    _, kl_coef, metrics = loss_coefficients(ResponseScalars.concat(parts), config, MAX_T)
+    _, kl_coef, metrics = loss_coefficients(ResponseScalars.concat(parts), config)
     assert bool((kl_coef != 0).any()) == far == bool(metrics["hinge_active"])
     if far:  # the penalty pass
         start = 0
@@ -227,7 +227,7 @@ def test_microstep_coefficients_refuse_what_they_cannot_split():
         lp = policy(features, tokens)
     r = response_scalars(lp, lp, mask, correct, group_ids)
     with pytest.raises(ValueError, match="kl_estimate='microstep'"):
-        microstep_coefficients(r, DRPOConfig(), MAX_T, 2, 1)
+        microstep_coefficients(r, DRPOConfig(), 2, 1)
     two_steps = ResponseScalars.concat(
         [
             response_scalars(
@@ -242,7 +242,7 @@ def test_microstep_coefficients_refuse_what_they_cannot_split():
         ]
     )
     with pytest.raises(ValueError, match="one micro-step"):
-        microstep_coefficients(two_steps, DRPOConfig(kl_estimate="microstep"), MAX_T, 2, 2)
+        microstep_coefficients(two_steps, DRPOConfig(kl_estimate="microstep"), 2, 2)
 
 
 def test_minibatch_kl_estimate_does_not_depend_on_micro_batching():
@@ -250,7 +250,7 @@ def test_minibatch_kl_estimate_does_not_depend_on_micro_batching():
     policy, old = ToyPolicy(1), ToyPolicy(2)
     with torch.no_grad():
         old_log_probs = old(rollout[0], rollout[1])
-    config = DRPOConfig()
+    config = DRPOConfig(max_len=MAX_T)
     grads = [
         split_gradient(policy, old_log_probs, rollout, random_micro_batches(s, 20, m), config)[0]
         for s, m in [(0, 1), (1, 5), (2, 20)]
@@ -264,7 +264,7 @@ def test_penalty_forms_differ_by_a_factor_two():
     with torch.no_grad():  # pi_old more likely on every token: KL estimate 0.05 > delta
         old_log_probs = policy(rollout[0], rollout[1]) + 0.05
     mbs = random_micro_batches(0, 20, 20)
-    kl_only = dict(lam=math.inf)
+    kl_only = dict(lam=math.inf, max_len=MAX_T)
     grads = {}
     for form in ("authors", "paper"):
         with_penalty = split_gradient(
@@ -287,7 +287,7 @@ def test_metrics_report_lengths_by_correctness():
         group_id=torch.zeros(3, dtype=torch.long),
         microstep=torch.zeros(3, dtype=torch.long),
     )
-    _, metrics = minibatch_loss(r, DRPOConfig(), max_len=100)
+    _, metrics = minibatch_loss(r, DRPOConfig(max_len=100))
     assert metrics["response_length_correct"].item() == 15
     assert metrics["response_length_incorrect"].item() == 60
     assert metrics["response_length"].item() == pytest.approx(30)
@@ -334,4 +334,4 @@ def test_non_finite_scalars_are_refused_before_any_gradient(field, value):
     broken[3] = value
     r = ResponseScalars(**{**r.__dict__, field: broken})
     with pytest.raises(ValueError, match=r"non-finite log-probs in 1 of 6 responses .*\[1\]"):
-        loss_coefficients(r, DRPOConfig(), MAX_T)
+        loss_coefficients(r, DRPOConfig())

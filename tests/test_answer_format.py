@@ -190,16 +190,16 @@ def user_plugin(tmp_path: Path, signature: str) -> str:
 def test_the_entry_point_decides_before_launch(tmp_path: Path, capsys, monkeypatch) -> None:
     monkeypatch.delenv("DRPO_REWARD_REQUIRE_THINK_END", raising=False)
     chatml = ["--actor.model_name_or_path", str(model_dir(tmp_path, "chatml")), *LAYOUT]
-    _, run, argv = train.parse(chatml)
+    run, argv = train.parse(chatml)
     assert (run.answer_format.name, run.answer_format.explicit) == ("plain", False)
     assert run.answer_format_line == run.answer_format.line()
     assert not any(a.startswith("--drpo.answer_format") for a in argv)  # ours, not OpenRLHF's
-    _, run, _ = train.parse([*chatml, "--shaping.method", "rloo_lp", "--shaping.params", "alpha=1"])
+    run, _ = train.parse([*chatml, "--shaping.method", "rloo_lp", "--shaping.params", "alpha=1"])
     assert run.answer_format.name == "plain"  # the baselines grade with the same reward
 
     qwen3 = ["--actor.model_name_or_path", str(model_dir(tmp_path, "qwen3")), *LAYOUT]
     assert "has a thinking switch (enable_thinking)" in parse_error(qwen3, capsys)
-    _, run, _ = train.parse([*qwen3, "--drpo.answer_format", "plain"])
+    run, _ = train.parse([*qwen3, "--drpo.answer_format", "plain"])
     assert run.answer_format_line == "answer format: plain (--drpo.answer_format plain)"
 
     # the plugins' environment fallback, set on the driver, must agree with the decision
@@ -220,7 +220,7 @@ def test_a_user_plugin_without_the_keyword(tmp_path: Path, capsys, monkeypatch) 
     plugin = user_plugin(tmp_path, "queries, prompts, labels")
     argv = ["--actor.model_name_or_path", str(model_dir(tmp_path, "chatml")), *LAYOUT]
     argv += ["--reward.remote_url", plugin]
-    _, run, _ = train.parse(argv)
+    run, _ = train.parse(argv)
     assert run.answer_format_line.endswith(
         f"; not passed on: the reward {plugin} takes no require_think_end and grades by its "
         "own rules"

@@ -27,8 +27,8 @@ def test_each_run_is_a_valid_drpo_openrlhf_train_command(tmp_path: Path) -> None
     for run in runs:
         command = train_command(config.rl, run, tmp_path / "base", tmp_path / "t.jsonl", tmp_path)
         assert command[:3] == [sys.executable, "-m", "drpo_openrlhf.train"]
-        drpo, options, argv = train.parse(command[3:])
-        parsed[run.name] = (drpo, options, argv)
+        options, argv = train.parse(command[3:])
+        parsed[run.name] = (options.drpo, options, argv)
         flags = dict(zip(argv[::2], argv[1::2], strict=False))
         assert flags["--ckpt.output_dir"] == str(tmp_path / "models" / run.name)
         assert options.max_steps == config.rl.rollout_steps

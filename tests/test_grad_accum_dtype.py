@@ -184,7 +184,7 @@ def test_default_reaches_deepspeeds_config(mode):
         *("--train.micro_batch_size", "4", *mode),
     ]
     for extra, expected in [([], "fp32"), (["--ds.grad_accum_dtype", "bf16"], "bf16")]:
-        argv = train.parse([*base, *extra])[2]
+        argv = train.parse([*base, *extra])[1]
         assert argv.count("--ds.grad_accum_dtype") == 1
         config = get_strategy(openrlhf_args(argv)).get_ds_train_config()
         assert config["data_types"] == {"grad_accum_dtype": expected}

@@ -270,7 +270,8 @@ def test_method_selection(harness, env, estimator, tail, run_name) -> None:
         assert drpo_flags == ["--drpo.max_steps", "--drpo.device"]
     assert run.args()["ckpt.path"] == str(harness.tmp / "out" / run_name / "ckpt")
     assert_flags_known(run)
-    config, shaping, _ = parse(run.train_args)
+    shaping, _ = parse(run.train_args)
+    config = shaping.drpo
     assert shaping.method == (method if method not in ("drpo", "disco") else None)
     assert config.lam == (float("inf") if method == "disco" else 0.1)
 
@@ -305,7 +306,7 @@ def test_positive_reward_reaches_the_entry_point_with_absolute_paths(harness: Ha
     assert run.returncode == 0, run.output
     i = run.train_args.index("--drpo.positive_reward")
     assert run.train_args[i + 1] == f"length+0.5*{plugin}:style"
-    assert parse(run.train_args)[0].positive_reward == f"length+0.5*{plugin}:style"
+    assert parse(run.train_args)[0].drpo.positive_reward == f"length+0.5*{plugin}:style"
     missing = harness.run(recipe("1.5b"), POSITIVE_REWARD="fewer_answers+nowhere.py")
     assert missing.returncode == 1
     assert "POSITIVE_REWARD: plugin file nowhere.py does not exist" in missing.output

@@ -77,7 +77,7 @@ def test_recipes_fit_an_80gb_card_and_pass_their_preflight(size, tmp_path):
     plan = recipe_plan(size, tmp_path)
     assert [p.name for p in plan] == ["generation", "scoring", "training"]
     assert all(p.gib <= plan.limit_gib for p in plan), plan.table()
-    _, run, _ = train.parse(recipe_argv(size, tmp_path))
+    run, _ = train.parse(recipe_argv(size, tmp_path))
     assert run.memory_plan == plan.table()
 
 
@@ -92,7 +92,7 @@ def test_long_variants_fit_an_80gb_card_and_pass_their_preflight(size, tokens, r
     }
     plan = recipe_plan(size, tmp_path, **changes)
     assert all(p.gib <= plan.limit_gib for p in plan), plan.table()
-    _, run, _ = train.parse(recipe_argv(size, tmp_path, **changes))
+    run, _ = train.parse(recipe_argv(size, tmp_path, **changes))
     assert run.memory_plan == plan.table()
     # docs/launch.md, Long responses: the recipe's row shows these phases
     row = next(r for r in DOCS.read_text().splitlines() if r.startswith(f"| {size.upper()} |"))
@@ -159,10 +159,10 @@ def test_tensor_parallel_logits_name_the_micro_batch_not_chunks(tmp_path, capsys
 
 
 def test_no_check_at_capacity_zero_or_for_an_unknown_model(tmp_path, capsys):
-    _, run, _ = train.parse(recipe_argv("1.5b", tmp_path, **{"drpo.gpu_memory_gib": 0}))
+    run, _ = train.parse(recipe_argv("1.5b", tmp_path, **{"drpo.gpu_memory_gib": 0}))
     assert run.memory_plan is None
     unknown = recipe_argv("1.5b", tmp_path, **{"actor.model_name_or_path": "nobody/unknown"})
-    assert train.parse(unknown)[1].memory_plan is None
+    assert train.parse(unknown)[0].memory_plan is None
 
 
 def test_entropy_bonus_needs_unchunked_log_probs(tmp_path, capsys):

@@ -76,7 +76,7 @@ def outcome(argv: list[str], capsys) -> str | None:
     """None for a run with a memory plan; the usage error's message otherwise. Anything
     else (a traceback) fails the test."""
     try:
-        _, run, _ = train.parse(argv)
+        run, _ = train.parse(argv)
     except SystemExit as stop:
         assert stop.code == 2
         message = capsys.readouterr().err.strip().splitlines()[-1]
@@ -164,11 +164,12 @@ def test_without_a_generation_budget_c_is_the_longest_response_openrlhf_allows(c
     ``--data.max_len`` minus its prompt, so C = ``--data.max_len``; the plugin probe gets it
     too (it raised a TypeError before)."""
     argv = without(BASE, "--rollout.max_new_tokens")
-    config, _, openrlhf_argv = train.parse(argv)
+    options, openrlhf_argv = train.parse(argv)
+    config = options.drpo
     assert config.max_len == 1024 and "--rollout.max_new_tokens" not in openrlhf_argv
-    config, _, _ = train.parse([*argv, "--drpo.positive_reward", "length+fewer_answers"])
+    config = train.parse([*argv, "--drpo.positive_reward", "length+fewer_answers"])[0].drpo
     assert config.max_len == 1024
-    assert train.parse([*argv, "--drpo.max_len", "300"])[0].max_len == 300
-    assert train.parse(BASE)[0].max_len is None  # the actor takes --rollout.max_new_tokens
+    assert train.parse([*argv, "--drpo.max_len", "300"])[0].drpo.max_len == 300
+    assert train.parse(BASE)[0].drpo.max_len == 512  # --rollout.max_new_tokens
     args = train.build_parser().parse_args(argv)
     assert openrlhf_flags.length_reward_c(args) == 1024

@@ -182,7 +182,8 @@ def test_a_good_plugin_reaches_the_config_with_an_absolute_path(tmp_path, monkey
         "def short(texts, lengths, labels):\n    return [-n for n in lengths]\n"
     )
     monkeypatch.chdir(tmp_path)
-    config, _, argv = train.parse([*TRAIN, "--drpo.positive_reward", "style.py:short+length"])
+    options, argv = train.parse([*TRAIN, "--drpo.positive_reward", "style.py:short+length"])
+    config = options.drpo
     assert config.positive_reward == f"{tmp_path / 'style.py'}:short+length"
     assert not config.length_positive_reward
     assert "--drpo.positive_reward" not in argv  # ours, not OpenRLHF's
@@ -195,7 +196,7 @@ def test_a_good_plugin_reaches_the_config_with_an_absolute_path(tmp_path, monkey
 
 
 def test_the_default_is_not_probed_and_baselines_refuse_another(capsys):
-    config, _, _ = train.parse(TRAIN)
+    config = train.parse(TRAIN)[0].drpo
     assert config.positive_reward == "length" and config.length_positive_reward
     with pytest.raises(SystemExit):
         train.parse(
@@ -325,12 +326,14 @@ def scalars(preference: torch.Tensor | None = None) -> ResponseScalars:
 # computed on ``scalars()``, stored in fixtures/loss_before_issue24.json (repr, so exact).
 BEFORE = json.loads((Path(__file__).parent / "fixtures" / "loss_before_issue24.json").read_text())
 SETTINGS = {
-    "default": DRPOConfig(),
+    "default": DRPOConfig(max_len=64),
     "concave": DRPOConfig(length_reward="concave", lam=0.05, max_len=50),
     "cosine": DRPOConfig(
-        length_reward="cosine", kl_estimate="microstep", all_correct_length_signal=True
+        length_reward="cosine", kl_estimate="microstep", all_correct_length_signal=True, max_len=64
     ),
-    "pass_rate": DRPOConfig(lambda_by_pass_rate=True, keep_all_wrong=True, penalty_form="paper"),
+    "pass_rate": DRPOConfig(
+        lambda_by_pass_rate=True, keep_all_wrong=True, penalty_form="paper", max_len=64
+    ),
 }
 # Another CPU (other exp/log kernels, another summation order) moves these float64 values by
 # rounding only: a loop-based restatement of G1 (drpo_reference.closed_form_g1) differs from
@@ -342,13 +345,13 @@ TOLERANCE = {"rel": 1e-12, "abs": 1e-13}
 def test_the_default_length_reward_reproduces_the_earlier_loss(name):
     config, before = SETTINGS[name], BEFORE[name]
     assert config.positive_reward == "length"
-    score_coef, kl_coef, metrics = loss_coefficients(scalars(), config, 64)
+    score_coef, kl_coef, metrics = loss_coefficients(scalars(), config)
     assert score_coef.tolist() == pytest.approx(before["score_coef"], **TOLERANCE)
     assert kl_coef.tolist() == pytest.approx(before["kl_coef"], **TOLERANCE)
     got = {k: metrics[k].item() for k in before["metrics"]}
     assert got == pytest.approx(before["metrics"], **TOLERANCE)
     # a carried preference is ignored under the length reward
-    again = loss_coefficients(scalars(torch.randn(24)), config, 64)[0]
+    again = loss_coefficients(scalars(torch.randn(24)), config)[0]
     assert torch.equal(again, score_coef)
 
 
@@ -363,23 +366,25 @@ def test_the_stored_earlier_loss_is_algorithm_1_s_g1():
 def test_another_positive_reward_enters_the_weights_as_the_length_reward_does():
     r = scalars(torch.randn(24, generator=torch.Generator().manual_seed(1), dtype=torch.float64))
     config = DRPOConfig(positive_reward="fewer_reflections", beta0=0.0)
-    score_coef, _, metrics = loss_coefficients(r, config, 64)
+    score_coef, _, metrics = loss_coefficients(r, config)
     expected = closed_form_g1(
         r.score.tolist(), r.correct.tolist(), r.group_id.tolist(), r.preference.tolist(), 0.1, 10.0
     )
     assert score_coef.tolist() == pytest.approx(expected, abs=1e-12)
     assert metrics["positive_reward_correct"] == pytest.approx(r.preference[r.correct].mean())
     # the same scalars ranked by length give other coefficients: the preference was used
-    assert not torch.allclose(score_coef, loss_coefficients(r, DRPOConfig(beta0=0.0), 64)[0])
+    assert not torch.allclose(
+        score_coef, loss_coefficients(r, DRPOConfig(beta0=0.0, max_len=64))[0]
+    )
     # equal preferences are DisCO's equal weights
-    flat = loss_coefficients(scalars(torch.zeros(24)), config, 64)[0]
-    disco = loss_coefficients(scalars(), DRPOConfig(lam=math.inf, beta0=0.0), 64)[0]
+    flat = loss_coefficients(scalars(torch.zeros(24)), config)[0]
+    disco = loss_coefficients(scalars(), DRPOConfig(lam=math.inf, beta0=0.0, max_len=64))[0]
     assert torch.allclose(flat, disco, rtol=0, atol=1e-15)
 
 
 def test_a_missing_preference_is_an_error_not_a_length_reward():
     with pytest.raises(ValueError, match="carry no score of it"):
-        loss_coefficients(scalars(), DRPOConfig(positive_reward="x.py"), 64)
+        loss_coefficients(scalars(), DRPOConfig(positive_reward="x.py"))
 
 
 def test_concat_keeps_the_preference_or_refuses_a_mix():

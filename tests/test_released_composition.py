@@ -90,7 +90,9 @@ def drpo_gradient(weight, features, tokens, mask, correct, old):
         positions = torch.tensor([i for i, _ in pairs])
         (step,) = plan_from_slots([s for _, s in pairs], layout)  # one optimizer step
         plans.append([positions[mb] for mb in step])
-    config = DRPOConfig(lam=LAM, tau=TAU, delta=DELTA, beta0=BETA, kl_estimate="microstep")
+    config = DRPOConfig(
+        lam=LAM, tau=TAU, delta=DELTA, beta0=BETA, kl_estimate="microstep", max_len=MAX_T
+    )
     grad = torch.zeros_like(weight)
     for j in range(layout.micro_steps):
         per_rank = []
@@ -108,7 +110,7 @@ def drpo_gradient(weight, features, tokens, mask, correct, old):
             )
         gathered = ResponseScalars.concat(per_rank)
         score_coef, kl_coef = microstep_coefficients(
-            gathered, config, MAX_T, num_groups=PROMPTS, num_microsteps=layout.micro_steps
+            gathered, config, num_groups=PROMPTS, num_microsteps=layout.micro_steps
         )
         offset = 0
         for r in per_rank:  # each rank back-propagates its own rows

@@ -106,12 +106,29 @@ def test_resume_continues_like_an_uninterrupted_run(tmp_path):
     assert any(not torch.equal(a, i) for a, i in zip(result["resumed"], initial, strict=True))
 
 
-def test_changed_settings_on_resume_are_reported(caplog):
+def test_changed_settings_on_resume_are_reported(caplog, monkeypatch):
+    """The DRPO actor, as it enables DRPO on OpenRLHF's trainer, warns when the checkpoint it
+    resumes from saved other DRPO settings, naming each one that changed."""
     from drpo_openrlhf.runtime import ray_actors
+    from drpo_openrlhf.update.actor_trainer import DRPOActorTrainer
+
+    enabled = []
+    monkeypatch.setattr(DRPOActorTrainer, "enable_drpo", lambda _, config: enabled.append(config))
+    policy = ray_actors._DRPOPolicyModelActor.__new__(ray_actors._DRPOPolicyModelActor)
+    policy.trainer = DRPOActorTrainer.__new__(DRPOActorTrainer)
+
+    def resume(saved: dict | None, config: DRPOConfig) -> str:
+        policy.checkpoint_states = {} if saved is None else {ray_actors.DRPO_STATE: saved}
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            policy._enable_drpo(config)
+        assert enabled.pop() is config
+        return caplog.text
 
     saved = asdict(DRPOConfig(lam=0.1))
-    with caplog.at_level(logging.WARNING):
-        assert not ray_actors.warn_if_settings_changed(saved, DRPOConfig(lam=0.1))
-        assert not ray_actors.warn_if_settings_changed(None, DRPOConfig(lam=0.2))
-        assert ray_actors.warn_if_settings_changed(saved, DRPOConfig(lam=math.inf, tau=5.0))
-    assert "lam: 0.1 -> inf" in caplog.text and "tau: 10.0 -> 5.0" in caplog.text
+    assert resume(saved, DRPOConfig(lam=0.1)) == ""
+    assert resume(None, DRPOConfig(lam=0.2)) == ""  # a fresh start
+    changed = resume(saved, DRPOConfig(lam=math.inf, tau=5.0))
+    assert "lam: 0.1 -> inf" in changed and "tau: 10.0 -> 5.0" in changed
+    assert "delta" not in changed
+    assert "gone: 1 -> (absent)" in resume({**saved, "gone": 1}, DRPOConfig(lam=0.1))

@@ -119,7 +119,7 @@ def config_of(correction: RolloutCorrection | None, **options) -> DRPOConfig:
 def loss_and_gradient(data: dict, correction, engine=None, **options):
     everyone = torch.arange(data["mask"].shape[0])
     r = scalars(data, everyone, correction, engine)
-    loss, metrics = minibatch_loss(r, config_of(correction, **options), MAX_T)
+    loss, metrics = minibatch_loss(r, config_of(correction, **options))
     data["policy"].zero_grad()
     loss.backward()
     return loss.detach(), data["policy"].weight.grad.clone(), metrics
@@ -146,9 +146,9 @@ def test_at_mu_equal_pi_old_every_variant_is_the_uncorrected_objective_bit_for_b
     assert torch.equal(loss, plain_loss)
     assert torch.equal(grad, plain_grad)
     everyone = torch.arange(data["mask"].shape[0])
-    plain = loss_coefficients(scalars(data, everyone, None), config_of(None, **options), MAX_T)
+    plain = loss_coefficients(scalars(data, everyone, None), config_of(None, **options))
     r = scalars(data, everyone, variant(*names), data["old"].clone())
-    corrected = loss_coefficients(r, config_of(variant(*names), **options), MAX_T)
+    corrected = loss_coefficients(r, config_of(variant(*names), **options))
     assert torch.equal(corrected[0], plain[0]) and torch.equal(corrected[1], plain[1])
     assert metrics["is_kl"] == 0 and metrics["is_filtered"] == 0 and metrics["is_ess_min"] == 1
 
@@ -260,7 +260,7 @@ def split_gradient(data, correction, microsteps, config):
         gathered = ResponseScalars.concat(
             [scalars(data, idx, correction, step=k) for k, idx in enumerate(microsteps)]
         )
-    score_coef, kl_coef, metrics = loss_coefficients(gathered, config, MAX_T)
+    score_coef, kl_coef, metrics = loss_coefficients(gathered, config)
     data["policy"].zero_grad()
     start = 0
     for k, idx in enumerate(microsteps):
@@ -292,7 +292,7 @@ def test_the_applied_gradient_is_the_corrected_objectives(names, kl_estimate):
     parts = [scalars(data, idx, correction, step=k) for k, idx in enumerate(microsteps)]
     data["policy"].zero_grad()
     config = config_of(correction, **options)
-    minibatch_loss(ResponseScalars.concat(parts), config, MAX_T)[0].backward()
+    minibatch_loss(ResponseScalars.concat(parts), config)[0].backward()
     one_piece = data["policy"].weight.grad
     assert (one_piece - expected).abs().max() < 1e-10 * expected.abs().max()
     plain, _ = split_gradient(data, None, microsteps, config_of(None, **options))
@@ -321,7 +321,7 @@ def test_seq_mask_drops_a_response_as_if_it_had_not_been_sampled():
     r = scalars(data, torch.arange(len(data["correct"])), correction)
     dropped = ~r.correction.keep
     assert dropped.any()
-    coef, _, _ = loss_coefficients(r, config_of(correction, beta0=0.0), MAX_T)
+    coef, _, _ = loss_coefficients(r, config_of(correction, beta0=0.0))
     assert (coef[dropped] == 0).all()
     rewards = 1 - (r.num_tokens / MAX_T).clamp(max=1)
     kept = r.correction.keep
@@ -452,13 +452,14 @@ def test_the_driver_reads_the_flags_into_drpos_config():
         "seq",
         "--algo.advantage.is_correction_mode",
     ]
-    config, _, argv = train.parse([*TINY, *seq_clip, "clip"])
+    options, argv = train.parse([*TINY, *seq_clip, "clip"])
+    config = options.drpo
     assert config.rollout_correction == RolloutCorrection("seq", "clip", "ratio", 0.5, 5.0)
     assert "--algo.advantage.is_correction_level" in argv  # OpenRLHF still sees it
-    config, _, _ = train.parse(TINY)
+    config = train.parse(TINY)[0].drpo
     assert not config.rollout_correction.enabled  # the released runs: off
     baseline_flags = ["--shaping.method", "rloo_lp", "--shaping.params", "alpha=0.2"]
-    baseline, _, _ = train.parse([*TINY, *baseline_flags, *seq_clip[:2]])
+    baseline = train.parse([*TINY, *baseline_flags, *seq_clip[:2]])[0].drpo
     assert not baseline.rollout_correction.enabled  # PPO's own correction, by its flags
 
 

@@ -60,16 +60,16 @@ def changed_run(tmp_path) -> list[str]:
 
 
 def test_the_options_hold_every_old_run_attribute_and_the_drpo_config():
-    drpo, options, _ = train.parse(BASE)
-    assert isinstance(options, RunOptions) and options.drpo is drpo
+    options, _ = train.parse(BASE)
+    assert isinstance(options, RunOptions) and isinstance(options.drpo, DRPOConfig)
     assert {f.name for f in fields(RunOptions)} == {"drpo", "cpu_dtype", *OLD_RUN_ATTRIBUTES}
     assert options.method is None and options.params == {}
     assert options.memory_plan and options.answer_format_line.startswith("answer format: ")
 
 
 def test_every_option_comes_from_its_flag(tmp_path):
-    _, default, _ = train.parse(BASE)
-    _, changed, _ = train.parse(changed_run(tmp_path))
+    default, _ = train.parse(BASE)
+    changed, _ = train.parse(changed_run(tmp_path))
     same = [
         f.name for f in fields(RunOptions) if getattr(changed, f.name) == getattr(default, f.name)
     ]
@@ -83,18 +83,18 @@ def test_every_option_comes_from_its_flag(tmp_path):
     assert changed.answer_format.name == "plain" and changed.answer_format.explicit
     assert (default.cpu_dtype, changed.cpu_dtype) == ("auto", "fp32")
     baseline = [*BASE, "--shaping.method", "rloo_lp", "--shaping.params", "alpha=0.2"]
-    _, options, _ = train.parse(baseline)
+    options, _ = train.parse(baseline)
     assert (options.method, options.params) == ("rloo_lp", {"alpha": 0.2})
 
 
 def test_the_driver_fills_c_where_the_generation_budget_is_unset():
     argv = [a for a in BASE if a not in ("--rollout.max_new_tokens", "512")]
-    assert train.parse(argv)[1].drpo.max_len == 1024  # --data.max_len
-    assert train.parse(BASE)[1].drpo.max_len is None  # the actor takes --rollout.max_new_tokens
+    assert train.parse(argv)[0].drpo.max_len == 1024  # --data.max_len
+    assert train.parse(BASE)[0].drpo.max_len == 512  # --rollout.max_new_tokens
 
 
 def test_the_options_are_frozen_and_survive_pickling(tmp_path):
-    _, options, _ = train.parse(changed_run(tmp_path))
+    options, _ = train.parse(changed_run(tmp_path))
     with pytest.raises(FrozenInstanceError):
         options.max_steps = 8  # type: ignore[misc]
     assert pickle.loads(pickle.dumps(options)) == options  # as Ray ships them to the actors
@@ -103,8 +103,8 @@ def test_the_options_are_frozen_and_survive_pickling(tmp_path):
 def test_the_checkpoint_keeps_the_drpo_settings_as_before():
     """What a checkpoint stores of the run (``ray_actors.DRPO_STATE``) is the config's dict,
     with the same keys and values as before the options were typed."""
-    drpo, _, _ = train.parse([*BASE, "--drpo.lam", "0.2"])
-    assert asdict(drpo) == asdict(DRPOConfig(lam=0.2))
+    drpo = train.parse([*BASE, "--drpo.lam", "0.2"])[0].drpo
+    assert asdict(drpo) == asdict(DRPOConfig(lam=0.2, max_len=512))  # C resolved
 
 
 def test_one_accessor_reads_flat_and_nested_flags():

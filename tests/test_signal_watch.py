@@ -326,8 +326,8 @@ def test_the_stop_line_names_the_checkpoint_and_the_change_to_rerun_with(tmp_pat
 
 
 def test_the_flag_defaults_to_three_and_zero_turns_it_off(capsys):
-    assert train.parse(BASE)[1].max_steps_without_signal == 3
-    off = train.parse([*BASE, "--drpo.max_steps_without_signal", "0"])[1]
+    assert train.parse(BASE)[0].max_steps_without_signal == 3
+    off = train.parse([*BASE, "--drpo.max_steps_without_signal", "0"])[0]
     assert off.max_steps_without_signal == 0
     with pytest.raises(SystemExit) as exit_info:
         train.parse([*BASE, "--drpo.max_steps_without_signal", "-1"])

@@ -42,7 +42,7 @@ def test_each_mode_is_a_valid_run_of_that_update_mode(mode, gpus, model_and_data
     base, data = model_and_data
     setup = smoke_gpu.Setup(work=tmp_path, gpus=gpus)
     command = smoke_gpu.pipeline_command(setup, mode, base, data, tmp_path / "out")
-    config, _, _ = train.parse(command[3:])  # what python -m drpo_openrlhf.train accepts
+    config = train.parse(command[3:])[0].drpo  # what python -m drpo_openrlhf.train accepts
     ranks = int(value_of(command, "--actor.num_gpus_per_node"))
     layout = Layout(
         ranks,

@@ -131,7 +131,8 @@ flags = ["--drpo.lambda_by_pass_rate", "--drpo.pass_rate_prior", "4"]
     for line in out.splitlines():
         command = shlex.split(line) if not line.startswith(("#", "sweep")) else []
         if command[2:3] == ["drpo_openrlhf.train"]:
-            config, _, argv = train.parse(command[3:])
+            options, argv = train.parse(command[3:])
+            config = options.drpo
             configs[Path(argv[argv.index("--ckpt.output_dir") + 1]).parent.name] = config
     assert not configs["drpo-lambda0.1-s0"].lambda_by_pass_rate
     assert configs["drpo_pass_rate-lambda0.1-s0"].lambda_by_pass_rate
@@ -221,7 +222,8 @@ def test_local_dry_run_prints_each_command(inputs: Path, capsys) -> None:
     for command in commands:
         assert command[:2] == [sys.executable, "-m"]
         if command[2] == "drpo_openrlhf.train":
-            config, run, argv = train.parse(command[3:])
+            run, argv = train.parse(command[3:])
+            config = run.drpo
             flags = {a: argv[i + 1] for i, a in enumerate(argv[:-1]) if a.startswith("--")}
             parsed[Path(flags["--ckpt.output_dir"]).parent.name] = (config, run, flags)
     assert sorted(parsed) == sorted(r for r in runs_of(inputs) if not r.startswith("base"))
@@ -647,7 +649,7 @@ flags = ["--algo.dynamic_filtering_enable"]
     for line in out.splitlines():
         command = shlex.split(line) if not line.startswith(("#", "sweep")) else []
         if command[2:3] == ["drpo_openrlhf.train"]:
-            _, _, argv = train.parse(command[3:])
+            _, argv = train.parse(command[3:])
             argvs[Path(argv[argv.index("--ckpt.output_dir") + 1]).parent.name] = argv
     modes = ("--train.async_enable", "--algo.dynamic_filtering_enable")
     plain, run_async, filtered = (

@@ -50,7 +50,7 @@ def test_help_shows_both_groups_without_importing_gpu_modules():
 
 
 def test_parse_applies_drpo_defaults_and_keeps_user_values():
-    config, _, argv = train.parse(
+    options, argv = train.parse(
         [
             *BASE,
             "--drpo.lam",
@@ -63,6 +63,7 @@ def test_parse_applies_drpo_defaults_and_keeps_user_values():
             "0.7",
         ]
     )
+    config = options.drpo
     assert math.isinf(config.lam) and config.tau == 5
     assert config.max_len == 2048  # no --rollout.max_new_tokens: C = --data.max_len
     assert not any(a.startswith("--drpo.") for a in argv)
@@ -77,7 +78,7 @@ def test_parse_applies_drpo_defaults_and_keeps_user_values():
 
 
 def test_drpo_options_reach_the_config():
-    config, _, _ = train.parse(
+    config = train.parse(
         [
             *BASE,
             "--drpo.keep_all_wrong",
@@ -91,7 +92,7 @@ def test_drpo_options_reach_the_config():
             "--drpo.pass_rate_prior",
             "4",
         ]
-    )
+    )[0].drpo
     assert config.keep_all_wrong and config.penalty_form == "paper"
     assert config.length_reward == "cosine" and config.max_len == 4096
     assert config.lambda_by_pass_rate and config.pass_rate_prior == 4.0
@@ -128,7 +129,7 @@ def test_the_paper_batch_runs_on_64_gpus_and_refuses_a_rank_count_that_does_not_
     with pytest.raises(SystemExit):
         train.parse([*BASE, "--actor.num_gpus_per_node", "48"])
     argv = [*BASE, "--actor.num_gpus_per_node", "48", "--train.dynamic_batch_enable"]
-    _, _, openrlhf_argv = train.parse(argv)
+    _, openrlhf_argv = train.parse(argv)
     assert "--train.dynamic_batch_enable" in openrlhf_argv
 
 
@@ -139,7 +140,7 @@ def test_ring_attn_size_is_accepted_and_the_layout_counts_ring_groups(capsys):
     argv = [*BASE, *gpus, "--train.micro_batch_size", "2"]
     with pytest.raises(SystemExit):
         train.parse(argv)
-    _, _, openrlhf_argv = train.parse([*argv, "--ds.ring_attn_size", "4"])
+    _, openrlhf_argv = train.parse([*argv, "--ds.ring_attn_size", "4"])
     assert value_after(openrlhf_argv, "--ds.ring_attn_size") == ["4"]
     capsys.readouterr()
     with pytest.raises(SystemExit):
@@ -154,7 +155,7 @@ def test_tensor_parallel_size_is_accepted_with_unchunked_log_probs(capsys):
     with pytest.raises(SystemExit):
         train.parse([*BASE, *tp])
     assert "--drpo.logprob_chunk_tokens 0" in capsys.readouterr().err
-    _, _, openrlhf_argv = train.parse([*BASE, *tp, "--drpo.logprob_chunk_tokens", "0"])
+    _, openrlhf_argv = train.parse([*BASE, *tp, "--drpo.logprob_chunk_tokens", "0"])
     assert value_after(openrlhf_argv, "--ds.tensor_parallel_size") == ["2"]
     with pytest.raises(SystemExit):
         train.parse([*BASE, *tp, "--drpo.logprob_chunk_tokens", "0", "--ds.ring_attn_size", "2"])
@@ -330,12 +331,12 @@ def test_documented_command_parses():
     text = (Path(__file__).parent.parent / "README.md").read_text()
     words = shell_command_lines(text, "python -m drpo_openrlhf.train")
     argv = [w.strip('"') for w in words[3:]]
-    config, _, openrlhf_argv = train.parse(argv)
-    assert config.lam == 0.1 and "--actor.model_name_or_path" in openrlhf_argv
+    options, openrlhf_argv = train.parse(argv)
+    assert options.drpo.lam == 0.1 and "--actor.model_name_or_path" in openrlhf_argv
 
 
 def test_baseline_mode_keeps_ppo_and_sets_the_papers_estimator():
-    _, shaping, argv = train.parse(
+    shaping, argv = train.parse(
         [
             *BASE,
             "--shaping.method",
@@ -349,7 +350,7 @@ def test_baseline_mode_keeps_ppo_and_sets_the_papers_estimator():
     assert shaping.method == "rloo_lp" and shaping.params == {"alpha": 0.2}
     assert value_after(argv, "--algo.advantage.estimator") == ["rloo"]
     assert "--algo.kl.init_coef" not in argv and "--shaping.method" not in argv
-    _, shaping, argv = train.parse([*BASE, "--shaping.method", "hapo", "--shaping.params", "w=0.1"])
+    shaping, argv = train.parse([*BASE, "--shaping.method", "hapo", "--shaping.params", "w=0.1"])
     assert value_after(argv, "--algo.advantage.estimator") == ["group_norm"]
     dynamic = ["--train.dynamic_batch_enable", "--ds.zero_stage", "3"]
     train.parse([*BASE, "--shaping.method", "hapo", "--shaping.params", "w=0.1", *dynamic])

@@ -12,6 +12,13 @@ from drpo_openrlhf.algo.rollout_correction import RolloutCorrection
 
 PENALTY_FORMS = ("authors", "paper")
 KL_ESTIMATES = ("minibatch", "microstep")
+LENGTH_POSITIVE_REWARD = "length"  # the positive reward that is r_l of the token counts
+
+
+def is_length_positive_reward(spec: str) -> bool:
+    """``spec`` is the length reward alone: the actor computes it from token counts, so no
+    vLLM engine loads or scores it."""
+    return spec.strip() == LENGTH_POSITIVE_REWARD
 
 
 class ObjectiveOptions(TypedDict, total=False):
@@ -37,8 +44,10 @@ class DRPOConfig:
       Algorithm 1 writes it, so the update does not depend on micro-batching or sharding;
       ``"microstep"`` averages one penalty per (global) micro-step, as the released code does
       (the default deviates from the released runs here, on purpose).
-    - ``length_reward``, ``max_len``: the shape of ``r_l`` and its ``C``; ``None`` means the
-      generation budget (``--rollout.max_new_tokens``), the authors' choice.
+    - ``length_reward``, ``max_len``: the shape of ``r_l`` and its ``C``. A run's options
+      resolve ``C`` once (``--drpo.max_len``, else the generation budget
+      ``--rollout.max_new_tokens``, the authors' choice, else ``--data.max_len``); ``None``
+      is unresolved, which ``length_c`` refuses.
     - ``positive_reward``: what ranks a prompt's correct responses among themselves.
       ``"length"`` (default) is ``r_l`` above, computed here from token counts; any other
       SPEC (docs/positive_rewards.md) is scored where the rewards run and reaches the loss
@@ -58,7 +67,7 @@ class DRPOConfig:
     kl_estimate: str = "minibatch"
     length_reward: str = "linear"
     max_len: int | None = None
-    positive_reward: str = "length"
+    positive_reward: str = LENGTH_POSITIVE_REWARD
     keep_all_wrong: bool = False
     all_correct_length_signal: bool = False
     lambda_by_pass_rate: bool = False
@@ -96,7 +105,18 @@ class DRPOConfig:
     @property
     def length_positive_reward(self) -> bool:
         """The correct responses are ranked by ``r_l`` of their token counts (today's DRPO)."""
-        return self.positive_reward.strip() == "length"
+        return is_length_positive_reward(self.positive_reward)
+
+    @property
+    def length_c(self) -> int:
+        """``C`` of the length reward, as the run's options resolved it; unresolved, the loss
+        would have to guess the run's budget, so it is refused."""
+        if self.max_len is None:
+            raise ValueError(
+                "DRPOConfig.max_len (the length reward's C) is unset: a run's options resolve "
+                "it from --drpo.max_len, --rollout.max_new_tokens or --data.max_len; give it"
+            )
+        return self.max_len
 
     @property
     def effective_beta0(self) -> float:

@@ -140,12 +140,12 @@ def response_scalars(
     )
 
 
-def positive_rewards(r: ResponseScalars, config: DRPOConfig, max_len: float) -> Tensor:
-    """What ranks the correct responses: ``r_l`` of their token counts (C = ``config.max_len``
-    or ``max_len``), or the positive reward they carry (``config.positive_reward``)."""
+def positive_rewards(r: ResponseScalars, config: DRPOConfig) -> Tensor:
+    """What ranks the correct responses: ``r_l`` of their token counts (C =
+    ``config.max_len``), or the positive reward they carry (``config.positive_reward``)."""
     if config.length_positive_reward:
-        c = config.max_len if config.max_len is not None else max_len
-        return length_reward(r.num_tokens.to(r.score.dtype), c, config.length_reward)
+        lengths = r.num_tokens.to(r.score.dtype)
+        return length_reward(lengths, config.length_c, config.length_reward)
     if r.preference is None:
         raise ValueError(
             f"positive reward {config.positive_reward!r}: the responses carry no score of it "
@@ -190,17 +190,14 @@ def _mean_or_nan(values: Tensor, mask: Tensor) -> Tensor:
     return values[mask].mean() if mask.any() else values.new_full((), math.nan)
 
 
-def minibatch_loss(
-    r: ResponseScalars, config: DRPOConfig, max_len: float
-) -> tuple[Tensor, dict[str, Tensor]]:
+def minibatch_loss(r: ResponseScalars, config: DRPOConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """True mini-batch loss ``-(1/Q) sum_q J_q + penalty(KL)`` and its metrics.
 
-    ``max_len`` is the length-reward ``C`` when ``config.max_len`` is unset. Its gradient
-    is the corrected objective's under a rollout correction too: the scores' values, their
-    ``weighted_score``'s gradient.
+    Its gradient is the corrected objective's under a rollout correction too: the scores'
+    values, their ``weighted_score``'s gradient.
     """
     lengths = r.num_tokens.to(r.score.dtype)
-    rewards = positive_rewards(r, config, max_len)
+    rewards = positive_rewards(r, config)
     correction = {}
     if r.correction is not None:
         correction = dict(log_weights=r.correction.log_weight, keep=r.correction.keep)
@@ -236,7 +233,7 @@ def minibatch_loss(
 
 
 def loss_coefficients(
-    r: ResponseScalars, config: DRPOConfig, max_len: float
+    r: ResponseScalars, config: DRPOConfig
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """``dL/ds_i`` and ``dL/dkl_i`` of the whole mini-batch (float64), plus its metrics.
 
@@ -262,14 +259,14 @@ def loss_coefficients(
         preference=preference,
         weighted_score=None,  # dL/ds: the scores' own coefficients
     )
-    loss, metrics = minibatch_loss(leaf, config, max_len)
+    loss, metrics = minibatch_loss(leaf, config)
     score_coef, kl_coef = torch.autograd.grad(loss, [score, kl_sum])
     metrics["loss"] = loss.detach()
     return score_coef, kl_coef, metrics
 
 
 def microstep_coefficients(
-    r: ResponseScalars, config: DRPOConfig, max_len: float, num_groups: int, num_microsteps: int
+    r: ResponseScalars, config: DRPOConfig, num_groups: int, num_microsteps: int
 ) -> tuple[Tensor, Tensor]:
     """``dL/ds_i`` and ``dL/dkl_i`` of the mini-batch loss from the scalars of one global
     micro-step alone, for ``kl_estimate="microstep"`` when every prompt group of the
@@ -286,13 +283,11 @@ def microstep_coefficients(
     if count_distinct(r.microstep) != 1:
         raise ValueError("microstep_coefficients takes the responses of one micro-step")
     local_groups = count_distinct(r.group_id)
-    score_coef, kl_coef, _ = loss_coefficients(r, config, max_len)
+    score_coef, kl_coef, _ = loss_coefficients(r, config)
     return score_coef * (local_groups / num_groups), kl_coef / num_microsteps
 
 
-def group_score_coefficients(
-    r: ResponseScalars, config: DRPOConfig, max_len: float, num_groups: int
-) -> Tensor:
+def group_score_coefficients(r: ResponseScalars, config: DRPOConfig, num_groups: int) -> Tensor:
     """``dL/ds_i`` of the mini-batch loss for responses that form whole prompt groups, from
     their own scalars, under either KL estimate.
 
@@ -301,7 +296,7 @@ def group_score_coefficients(
     (penalty off), rescaled by their share of the groups, are the mini-batch's.
     """
     objective_only = replace(config, beta0=0.0)
-    score_coef, _, _ = loss_coefficients(r, objective_only, max_len)
+    score_coef, _, _ = loss_coefficients(r, objective_only)
     return score_coef * (count_distinct(r.group_id) / num_groups)
 
 

@@ -28,7 +28,6 @@ from pathlib import Path
 
 from drpo_openrlhf.rewards.preference import fewer_answers, fewer_reflections
 
-DEFAULT = "length"
 DEFAULT_FUNCTION = "positive_reward"
 BUILTINS = ("length", "fewer_reflections", "fewer_answers")
 _TERM = re.compile(r"^\s*(?:(?P<weight>[^*]+?)\s*\*\s*)?(?P<name>\S.*?)\s*$")
@@ -105,7 +104,9 @@ def parse(spec: str) -> list[Term]:
 
 def is_default(spec: str) -> bool:
     """The length reward alone, computed in the actor from token counts (today's DRPO)."""
-    return spec.strip() == DEFAULT
+    from drpo_openrlhf.algo.config import is_length_positive_reward  # imports torch: late
+
+    return is_length_positive_reward(spec)
 
 
 def files(spec: str) -> list[str]:

@@ -41,7 +41,8 @@ ACCUM_DTYPES = ("fp32", "bf16", "fp16")  # the spellings the memory plan and ref
 
 
 def length_reward_c(args: argparse.Namespace) -> int:
-    """``C`` of the length reward: ``--drpo.max_len``, else the generation budget
+    """``C`` of the length reward, which ``options.build_options`` puts in the run's
+    ``DRPOConfig.max_len`` for every consumer: ``--drpo.max_len``, else the generation budget
     ``--rollout.max_new_tokens``, else ``--data.max_len``: with no budget set OpenRLHF lets a
     response fill ``--data.max_len`` minus its prompt (at least one token), so no response
     is longer than that and ``r_l`` stays in (0, 1]."""
@@ -117,9 +118,9 @@ def check(args: argparse.Namespace) -> None:
 
 
 def _check_sampling_and_optimizer(args: argparse.Namespace) -> None:
-    """The flags whose defaults DRPO sets (``train.DRPO_DEFAULTS``). vLLM refuses a negative
-    temperature or a top_p outside (0, 1] at the first rollout, and the actor divides the
-    logits by the temperature (0: infinite log-probs); torch's AdamW refuses betas outside
+    """The flags whose defaults DRPO sets (``train_defaults.DRPO_DEFAULTS``). vLLM refuses a
+    negative temperature or a top_p outside (0, 1] at the first rollout, and the actor divides
+    the logits by the temperature (0: infinite log-probs); torch's AdamW refuses betas outside
     [0, 1) and a negative learning rate or weight decay as the actor starts."""
     temperature = flag(args, "rollout.temperature")
     if not 0 < temperature < float("inf"):

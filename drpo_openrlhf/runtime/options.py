@@ -27,7 +27,7 @@ from drpo_openrlhf.runtime import memory_plan, openrlhf_flags, preflight
 class RunOptions:
     """What a DRPO or baseline run was asked for besides OpenRLHF's flags, as decided."""
 
-    drpo: DRPOConfig  # the loss's settings; the driver fills ``positive_reward`` and ``max_len``
+    drpo: DRPOConfig  # the loss's settings, ``max_len`` (C) resolved, ``positive_reward`` probed
     method: str | None  # --shaping.method: the baseline to run instead of DRPO
     params: Mapping[str, float | None]  # --shaping.params
     max_steps: int | None  # --drpo.max_steps
@@ -101,8 +101,7 @@ def check_positive_reward(args: argparse.Namespace, config: DRPOConfig, baseline
             "--drpo.positive_reward ranks DRPO's correct responses; the baselines "
             "(--shaping.method) shape rewards by length: drop one of the two"
         )
-    c = openrlhf_flags.length_reward_c(args)
-    return preflight.check_positive_reward(spec, c, config.length_reward)
+    return preflight.check_positive_reward(spec, config.length_c, config.length_reward)
 
 
 def resolve_answer_format(args: argparse.Namespace) -> tuple[answer_format.AnswerFormat, str]:
@@ -142,12 +141,10 @@ def build_options(args: argparse.Namespace) -> RunOptions:
     check_step_limits(args)
     if method:
         refuse_entropy_with_chunks(args)
-    config = drpo_config(args)
+    config = replace(drpo_config(args), max_len=openrlhf_flags.length_reward_c(args))
     refuse_tensor_parallel_with_chunks(args)
     decided, line = resolve_answer_format(args)
     config = replace(config, positive_reward=check_positive_reward(args, config, bool(method)))
-    if flag(args, "rollout.max_new_tokens") is None:  # no budget: C from --data.max_len
-        config = replace(config, max_len=openrlhf_flags.length_reward_c(args))
     memory = memory_plan.check(args)
     return RunOptions(
         drpo=config,

@@ -77,16 +77,25 @@ logger = logging.getLogger(__name__)
 DRPO_STATE, SHAPING_STATE, GAP_STATE = "drpo", "shaping", "logprob_gap"
 
 
-def warn_if_settings_changed(saved: dict | None, config: DRPOConfig) -> bool:
-    """Warn (and say so) when a run resumes with other DRPO settings than it saved."""
+def warn_if_settings_changed(saved: dict | None, config: DRPOConfig) -> None:
+    """Warn when a run resumes with other DRPO settings than its checkpoint saved (None: a
+    fresh start), naming each one that changed: a resume may change the loss, not silently."""
     current = asdict(config)
-    changed = sorted(k for k in current if saved is not None and saved.get(k) != current[k])
-    if changed:
-        logger.warning(
-            "resuming with different DRPO settings: %s",
-            ", ".join(f"{k}: {saved.get(k)!r} -> {current[k]!r}" for k in changed),
-        )
-    return bool(changed)
+    if saved is None or saved == current:
+        return
+    changed = sorted(
+        k
+        for k in saved.keys() | current.keys()
+        if k not in saved or k not in current or saved[k] != current[k]
+    )
+    logger.warning(
+        "resuming with different DRPO settings: %s",
+        ", ".join(f"{k}: {_setting(saved, k)} -> {_setting(current, k)}" for k in changed),
+    )
+
+
+def _setting(settings: dict, key: str) -> str:
+    return repr(settings[key]) if key in settings else "(absent)"
 
 
 class _BaselinePolicyModelActor(
@@ -111,16 +120,15 @@ class _DRPOPolicyModelActor(
         with BuildLockWatch():  # DeepSpeed builds its ops here
             super().init_model_from_pretrained(strategy, *args, **kwargs)
         chunked_actor.install(self.actor, strategy.args.drpo_run.logprob_chunk_tokens)
-        config = strategy.args.drpo
-        # Swap the class rather than building a second trainer: the constructor opened the
-        # vLLM weight-sync group, which must exist exactly once.
+        self._enable_drpo(strategy.args.drpo)
+
+    def _enable_drpo(self, config: DRPOConfig) -> None:
+        """DRPO's loss on the trainer OpenRLHF built, with a warning when a resume changes the
+        checkpoint's DRPO settings. The class is swapped rather than a second trainer built:
+        the constructor opened the vLLM weight-sync group, which must exist exactly once."""
         upstream.swap_class(self.trainer, DRPOActorTrainer)
         self.trainer.enable_drpo(config)
-        saved = self.checkpoint_states.get(DRPO_STATE)
-        if saved is not None and saved != asdict(config):
-            logger.warning(
-                "resuming with DRPO settings %s; checkpoint had %s", asdict(config), saved
-            )
+        warn_if_settings_changed(self.checkpoint_states.get(DRPO_STATE), config)
 
     def save_checkpoint(self, tag, client_states=None, metric_value=None, metric_key=None):
         states = {**(client_states or {}), DRPO_STATE: asdict(self.trainer.drpo)}
@@ -200,15 +208,10 @@ def configure_positive_reward(engines: list, args) -> None:
     """Load ``--drpo.positive_reward`` in every vLLM engine, unless it is the length reward
     (the actor computes that one). A plugin that fails to load there stops the run now."""
     drpo = args.drpo
-    if drpo.positive_reward.strip() == "length" or not engines:
+    if drpo.length_positive_reward or not engines:
         return
-    max_len = drpo.max_len if drpo.max_len is not None else args.rollout.max_new_tokens
-    ray.get(
-        [
-            e.configure_positive_reward.remote(drpo.positive_reward, max_len, drpo.length_reward)
-            for e in engines
-        ]
-    )
+    spec, c, shape = drpo.positive_reward, drpo.length_c, drpo.length_reward
+    ray.get([e.configure_positive_reward.remote(spec, c, shape) for e in engines])
     logger.info("positive reward %s loaded in %d engine(s)", drpo.positive_reward, len(engines))
 
 

@@ -165,7 +165,6 @@ class DRPOActorTrainer(ActorPPOTrainer):
     inherited untouched. Installed by swapping the class of the trainer OpenRLHF builds."""
 
     drpo: DRPOConfig
-    drpo_max_len: int
     drpo_layout: Layout
     drpo_group: dist.ProcessGroup | None
     # this step's forwards give pi_old's log-probs (first step under dynamic batching)
@@ -174,7 +173,6 @@ class DRPOActorTrainer(ActorPPOTrainer):
     def enable_drpo(self, config: DRPOConfig) -> None:
         args = self.args
         self.drpo = config
-        self.drpo_max_len = args.rollout.max_new_tokens
         self.drpo_group = data_parallel_group(self.strategy)
         self.drpo_layout = layout_from_args(args, dist.get_world_size(self.drpo_group))
         self.drpo_layout.check()
@@ -380,7 +378,7 @@ class DRPOActorTrainer(ActorPPOTrainer):
         counts = all_gather_counts([local.score.numel()], self._device(), self.drpo_group)[0]
         gathered, offset = all_gather_scalars(local, counts, self.drpo_group)
         self._check_whole(gathered, "the optimizer step")
-        score_coef, kl_coef, metrics = loss_coefficients(gathered, self.drpo, self.drpo_max_len)
+        score_coef, kl_coef, metrics = loss_coefficients(gathered, self.drpo)
         for j, batch in enumerate(batches):
             r = self._scalars(batch, j, use_old=False)
             end = offset + r.score.numel()
@@ -400,13 +398,13 @@ class DRPOActorTrainer(ActorPPOTrainer):
             gathered, offset = all_gather_scalars(r, counts[j], self.drpo_group)
             self._check_whole(gathered, f"micro-step {j}")
             score_coef, kl_coef = microstep_coefficients(
-                gathered, self.drpo, self.drpo_max_len, num_groups, len(batches)
+                gathered, self.drpo, num_groups, len(batches)
             )
             end = offset + r.score.numel()
             self._accumulate(r, score_coef[offset:end], kl_coef[offset:end], j == len(batches) - 1)
             parts.append(gathered)
         gathered = ResponseScalars.concat(parts)
-        score_coef, _, metrics = loss_coefficients(gathered, self.drpo, self.drpo_max_len)
+        score_coef, _, metrics = loss_coefficients(gathered, self.drpo)
         return gathered, score_coef, metrics
 
     def _penalty_pass_backward(
@@ -428,13 +426,9 @@ class DRPOActorTrainer(ActorPPOTrainer):
             parts.append(gathered)
             if j == count - 1:  # all scalars known: does the penalty act on this step?
                 everyone = ResponseScalars.concat(parts)
-                score_all, kl_coef, metrics = loss_coefficients(
-                    everyone, self.drpo, self.drpo_max_len
-                )
+                score_all, kl_coef, metrics = loss_coefficients(everyone, self.drpo)
                 penalty = bool((kl_coef != 0).any())
-            score_coef = group_score_coefficients(
-                gathered, self.drpo, self.drpo_max_len, num_groups
-            )
+            score_coef = group_score_coefficients(gathered, self.drpo, num_groups)
             start, end = offset, offset + r.score.numel()
             self._accumulate(
                 r,
