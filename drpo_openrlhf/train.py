@@ -37,6 +37,7 @@ from drpo_openrlhf.runtime.openrlhf_cli import check_openrlhf_validation, openrl
 from drpo_openrlhf.runtime.options import RunOptions, build_options
 from drpo_openrlhf.runtime.tokenizer_check import check_tokenizer
 from drpo_openrlhf.runtime.train_defaults import DRPO_DEFAULTS, baseline_defaults
+from drpo_openrlhf.sync import engine_settings
 from drpo_openrlhf.update import signal_watch
 from drpo_openrlhf.update.layout import layout_from_args
 from drpo_openrlhf.update.signal_watch import NoLearningSignalError
@@ -60,6 +61,17 @@ def _lambda(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"lambda must be > 0 or inf, got {text}")
     return value
+
+
+def _setting_names(text: str) -> tuple[str, ...]:
+    names = tuple(sorted({name.strip() for name in text.split(",") if name.strip()}))
+    unknown = [name for name in names if name not in engine_settings.ALLOWABLE]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown engine setting(s) {', '.join(unknown)}; the settings compared are "
+            + ", ".join(engine_settings.ALLOWABLE)
+        )
+    return names
 
 
 def add_drpo_arguments(parser: argparse.ArgumentParser) -> None:
@@ -191,6 +203,16 @@ def add_drpo_arguments(parser: argparse.ArgumentParser) -> None:
         "actor), 'engines' (only against each other: engines meant to differ from the actor, "
         "e.g. fp8), 'actor' (only against the actor: engines meant to differ from each other), "
         "'log' (none; logged as drpo/probe_logprob_gap; docs/reliability.md)",
+    )
+    g.add_argument(
+        "--drpo.allow_engine_difference",
+        type=_setting_names,
+        default=(),
+        metavar="NAMES",
+        help="comma-separated settings in which the vLLM engines may differ from the actor "
+        f"(or from each other) without stopping the run, e.g. kv_cache_dtype for an fp8 KV "
+        f"cache; the run still logs each difference ({', '.join(engine_settings.ALLOWABLE)}; "
+        "docs/reliability.md)",
     )
     g.add_argument(
         "--drpo.logprob_chunk_tokens",

@@ -174,6 +174,12 @@ def test_drpo_two_ranks_zero2_llama_with_eval_then_resume(toy_llama, ray_address
     assert "answer format: thinking (chat_template.jinja drops an earlier" in first.output
     assert "require_think_end=True bound to the reward in 1 of 1 vLLM engine(s)" in first.output
     assert RAY_OVERRIDE_TIP not in first.output  # the driver's ray.init, quiet
+    # the engine runs as the actor: dtype, the rotary base and llama3 scaling, the context
+    agreed = re.search(
+        r"engine settings at start-up: 1 engine\(s\) run as the actor: (.*)", first.output
+    )
+    assert agreed and "max_model_len 128" in agreed[1], first.output[-3000:]
+    assert "rope_scaling {" in agreed[1] and "rope_type: llama3" in agreed[1], agreed[1]
     logged = assert_drpo_trained(out, toy["base"], steps=2)
     # one optimizer step per rollout, at pi_old's weights: pi_old was scored in the update's
     # own micro-batches, so even in bf16 the KL estimate has no noise floor (docs/algorithm.md)
@@ -195,6 +201,7 @@ def test_drpo_two_ranks_zero2_llama_with_eval_then_resume(toy_llama, ray_address
     )
     assert resumed.returncode == 0, resumed.output[-3000:]
     assert "Global step 3:" in resumed.output and "Global step 1:" not in resumed.output
+    assert "engine settings at the resumed run's start: 1 engine(s) run as" in resumed.output
     # DeepSpeed's step-2 checkpoint (weights and optimizer state) and OpenRLHF's client state
     assert "Loading the checkpoint" in resumed.output and "'global_step': 2" in resumed.output
     assert max(read_scalars(out / "tb")["train/drpo/rollout_logprob_gap"].values()) < 0.05
@@ -202,7 +209,7 @@ def test_drpo_two_ranks_zero2_llama_with_eval_then_resume(toy_llama, ray_address
     assert "drpo_openrlhf: rollout log-prob gap after resuming: engine 0" in resumed.output
     assert "saved with the checkpoint" in resumed.output
     # the checkpoint carried the DRPO settings: the changed lambda is named
-    assert "resuming with DRPO settings" in resumed.output and "'lam': 0.1" in resumed.output
+    assert "resuming with different DRPO settings: lam: 0.1 -> 0.2\n" in resumed.output
     assert (out / "ckpt" / "_actor" / "global_step3").is_dir()
     assert len(optimizer_shards(out, step=3)) == 2, optimizer_shards(out, step=3)
 

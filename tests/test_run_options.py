@@ -36,6 +36,7 @@ OLD_RUN_ATTRIBUTES = (
     "device",
     "verify_weight_sync",
     "weight_probe",
+    "allow_engine_difference",
     "logprob_chunk_tokens",
     "ckpt_path",
     "resume",
@@ -53,6 +54,7 @@ def changed_run(tmp_path) -> list[str]:
         *("--drpo.max_steps", "7", "--drpo.max_steps_without_signal", "0"),
         *("--drpo.max_logprob_gap", "0.5", "--drpo.device", "cpu"),
         *("--no-drpo.verify_weight_sync", "--drpo.weight_probe", "log"),
+        *("--drpo.allow_engine_difference", "kv_cache_dtype, device,kv_cache_dtype"),
         *("--drpo.logprob_chunk_tokens", "512", "--drpo.answer_format", "plain"),
         *("--drpo.gpu_memory_gib", "0", "--ckpt.path", str(tmp_path / "ckpt")),
         *("--ckpt.load_enable", "--drpo.cpu_dtype", "fp32"),
@@ -78,6 +80,10 @@ def test_every_option_comes_from_its_flag(tmp_path):
     assert (changed.max_steps, changed.max_steps_without_signal) == (7, 0)
     assert (changed.max_logprob_gap, changed.device) == (0.5, "cpu")
     assert (changed.verify_weight_sync, changed.weight_probe) == (False, "log")
+    assert (default.allow_engine_difference, changed.allow_engine_difference) == (
+        (),
+        ("device", "kv_cache_dtype"),
+    )
     assert changed.logprob_chunk_tokens == 512 and changed.memory_plan is None
     assert (changed.ckpt_path, changed.resume) == (str(tmp_path / "ckpt"), True)
     assert changed.answer_format.name == "plain" and changed.answer_format.explicit

@@ -106,9 +106,9 @@ def test_openrlhfs_advantages_use_the_shaped_rewards(method, estimator, hparams)
 
 def hand_built_trainer(experience_maker, max_steps: int | None, ckpt: Path):
     """The driver's trainer without Ray or OpenRLHF's constructor: only what its step hooks
-    read (the maker, the args, no loggers, the step-times record in ``ckpt``)."""
+    read (the maker, the args, no loggers, no engines, the step-times record in ``ckpt``)."""
     trainer = ray_actors._GroupAwarePPOTrainer.__new__(ray_actors._GroupAwarePPOTrainer)
-    trainer.experience_maker = experience_maker
+    trainer.experience_maker, trainer.vllm_engines = experience_maker, []
     trainer.args = experience_maker.args
     trainer.args.ckpt.path = str(ckpt)
     trainer.args.drpo_run = type("Run", (), {"max_steps": max_steps, "verify_weight_sync": False})()

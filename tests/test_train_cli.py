@@ -98,6 +98,18 @@ def test_drpo_options_reach_the_config():
     assert config.lambda_by_pass_rate and config.pass_rate_prior == 4.0
 
 
+def test_top_p_below_1_is_drpos_refusal_unless_allowed_and_a_baselines_choice():
+    """vLLM samples from the nucleus, DRPO scores the full softmax: refused, allowed by name;
+    a baseline's PPO keeps OpenRLHF's meaning."""
+    options, argv = train.parse(
+        [*BASE, "--rollout.top_p", "0.95", "--drpo.allow_engine_difference", "top_p"]
+    )
+    assert options.allow_engine_difference == ("top_p",)
+    assert argv[argv.index("--rollout.top_p") + 1] == "0.95"
+    baseline = ("--shaping.method", "rloo_lp", "--shaping.params", "alpha=0.2")
+    train.parse([*BASE, "--rollout.top_p", "0.95", *baseline])
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
@@ -111,6 +123,11 @@ def test_drpo_options_reach_the_config():
         (["--drpo.penalty_form", "half"], "invalid choice"),
         (["--drpo.max_steps", "0"], "--drpo.max_steps must be >= 1"),
         (["--drpo.pass_rate_prior", "4"], "turn that on"),
+        (
+            ["--drpo.allow_engine_difference", "dtype,kv_dtype"],
+            "unknown engine setting(s) kv_dtype",
+        ),
+        (["--rollout.top_p", "0.95"], "from the top-p nucleus while DRPO scores"),
         (["--no.such.flag", "1"], "unrecognized arguments"),
     ],
 )

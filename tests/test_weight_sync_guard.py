@@ -112,17 +112,28 @@ PROBE_FAILED = "weight probe before the first rollout failed (--drpo.weight_prob
 
 def test_engines_that_compute_otherwise_stop_the_run_at_the_first_probe(toy, tmp_path, monkeypatch):
     """What the digests cannot see, four engines, one run: engine 2's rotary base is 4x the
-    model's, engine 3's linear layers compute in fp16. Their weights are exact, so the check
-    before the first rollout passes; the probe, scored by each engine before the first request,
-    names both against the two healthy engines (which agree bit for bit), and engine 2 against
-    the actor too (over the cap at the first probe); engine 3's gap to the actor stays within
-    the honest gap's range, which only the engines' comparison can tell apart."""
+    model's, engine 3's linear layers compute in fp16. The settings check names engine 2's
+    base at start-up; allowed here (``--drpo.allow_engine_difference rope_theta``), the run
+    goes on, so the probe is tried on both. Their weights are exact, so the check before the
+    first rollout passes; the probe, scored by each engine before the first request, names
+    both against the two healthy engines (which agree bit for bit), and engine 2 against the
+    actor too (over the cap at the first probe); engine 3's gap to the actor stays within the
+    honest gap's range, which only the engines' comparison can tell apart."""
     done = broken_run(
-        toy, tmp_path, monkeypatch, COMPUTE_BREAKS, "--vllm.num_engines", "4", steps=1
+        toy,
+        tmp_path,
+        monkeypatch,
+        COMPUTE_BREAKS,
+        *("--vllm.num_engines", "4", "--drpo.allow_engine_difference", "rope_theta"),
+        steps=1,
     )
     assert done.returncode != 0
     out = done.output
     assert "SYNC BREAK: rotary base x 4.0" in out and "compute in fp16" in out
+    allowed = re.findall(
+        r"  allowed: engine (\d) of 4: rope_theta ([\d.]+), the actor's ([\d.]+)", out
+    )
+    assert [(e, float(ours) / float(theirs)) for e, ours, theirs in allowed] == [("2", 4.0)], out
     assert GUARD not in out  # the weights are the actor's
     assert PROBE_FAILED in out, out[-3000:]
     print(out[out.index(PROBE_FAILED) :][:1500])
@@ -131,6 +142,45 @@ def test_engines_that_compute_otherwise_stop_the_run_at_the_first_probe(toy, tmp
     far = re.findall(r"engine (\d+) is [\d.e-]+ nats per token from the actor", out)
     assert far == ["2"], out[-3000:]
     assert "Global step 1:" not in out
+
+
+SETTINGS_FAILED = "the vLLM engines do not run the model as the actor does (at start-up)"
+# engine 1 of two created otherwise than the run asks (sync_breakage.py); engine 0 healthy
+SETTINGS_BREAKS = {"1": {"dtype": "float16", "rope_theta": 2.0, "max_model_len": 96}}
+
+
+def settings_named(out: str) -> dict[tuple[str, str], tuple[str, str]]:
+    """(engine, setting) -> (its value, the actor's), from the settings check's stop."""
+    lines = re.findall(r"  engine (\d+) of \d+: (\w+) (.+), the actor's (.+)", out)
+    return {(engine, name): (ours, theirs) for engine, name, ours, theirs in lines}
+
+
+def test_an_engine_created_otherwise_than_the_actor_stops_the_run_at_start_up(
+    toy, tmp_path, monkeypatch
+):
+    """Engine 1 of two in fp16, with a rotary base 2x the model's and a shorter context: the
+    settings check names each with both values before the weights are compared (fp16
+    weights would fail the digests too, naming the wrong cause) and before any rollout;
+    engine 0 is not named. The control is every other run here and in test_e2e_pipeline.py,
+    whose healthy engines pass the same check (its line is asserted in the resumed run of
+    test_e2e_pipeline.py)."""
+    done = broken_run(
+        toy, tmp_path, monkeypatch, SETTINGS_BREAKS, "--vllm.num_engines", "2", steps=1
+    )
+    assert done.returncode != 0
+    out = done.output
+    assert "SYNC BREAK: the engine's model in float16" in out
+    assert "EngineSettingsError" in out and SETTINGS_FAILED in out, out[-3000:]
+    print(out[out.index(SETTINGS_FAILED) :][:1500])
+    named = settings_named(out)
+    assert set(named) == {("1", "dtype"), ("1", "rope_theta"), ("1", "max_model_len")}, named
+    assert named["1", "dtype"][0] == "float16"
+    assert named["1", "dtype"][1] in ("bfloat16", "float32")  # the CPU's dtype (docs/cpu.md)
+    ours, theirs = named["1", "rope_theta"]
+    assert float(ours) == 2 * float(theirs)
+    assert named["1", "max_model_len"] == ("96", "128")  # the run's --data.max_len
+    assert "--drpo.allow_engine_difference dtype,max_model_len,rope_theta" in out
+    assert GUARD not in out and "weight probe" not in out and "Global step 1:" not in out
 
 
 # engine 1 samples (and reports its log-probs) at temperature 1.0 where the actor scores at 0.6
@@ -222,3 +272,15 @@ def test_without_the_guard_the_same_breakages_run_through(toy, tmp_path, monkeyp
     assert per_engine[0][2] > 0.5 > per_engine[1][2], per_engine
     assert derived_limit(gaps[1]) < max(gaps[2], gaps[3])
     assert gaps[1] < FALLBACK_LIMIT < max(gaps[2], gaps[3])
+
+
+def test_the_only_engine_created_otherwise_stops_the_run(toy, tmp_path, monkeypatch):
+    """The same three settings broken in the only engine: nothing to compare it with but the
+    actor, which is enough."""
+    done = broken_run(toy, tmp_path, monkeypatch, {"0": SETTINGS_BREAKS["1"]}, steps=1)
+    assert done.returncode != 0
+    assert SETTINGS_FAILED in done.output, done.output[-3000:]
+    named = settings_named(done.output)
+    assert set(named) == {("0", "dtype"), ("0", "rope_theta"), ("0", "max_model_len")}, named
+    assert named["0", "max_model_len"] == ("96", "128")
+    assert "Global step 1:" not in done.output

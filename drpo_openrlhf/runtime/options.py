@@ -37,6 +37,7 @@ class RunOptions:
     cpu_dtype: str  # --drpo.cpu_dtype: a CPU run's dtype (runtime/cpu_dtype.py)
     verify_weight_sync: bool  # --drpo.verify_weight_sync
     weight_probe: str  # --drpo.weight_probe
+    allow_engine_difference: tuple[str, ...]  # --drpo.allow_engine_difference
     logprob_chunk_tokens: int  # --drpo.logprob_chunk_tokens (0: unchunked)
     ckpt_path: str  # --ckpt.path: where the stop request and the checkpoints live
     resume: bool  # --ckpt.load_enable
@@ -87,6 +88,21 @@ def refuse_tensor_parallel_with_chunks(args: argparse.Namespace) -> None:
             "--ds.tensor_parallel_size splits the output layer over the vocabulary, which "
             "chunked log-probs do not handle: add --drpo.logprob_chunk_tokens 0 (OpenRLHF's "
             "unchunked forward; check the memory plan, docs/launch.md)"
+        )
+
+
+def refuse_truncated_sampling(args: argparse.Namespace) -> None:
+    """DRPO scores each response under the full softmax at the sampling temperature (pi_old,
+    the trust region's KL, the rollout gap); vLLM with top-p < 1 samples from the nucleus
+    only, another policy. The released runs sample with top-p 1."""
+    top_p = flag(args, "rollout.top_p")
+    if top_p < 1 and "top_p" not in flag(args, "drpo.allow_engine_difference"):
+        raise ValueError(
+            f"--rollout.top_p {top_p}: vLLM would sample from the top-p nucleus while DRPO "
+            "scores every response under the full softmax at --rollout.temperature, so the "
+            "rollouts would come from another policy than the one it scores (the released runs "
+            "sample with top_p 1.0): drop the flag, or add --drpo.allow_engine_difference top_p "
+            "to train so anyway (docs/reliability.md)"
         )
 
 
@@ -141,6 +157,8 @@ def build_options(args: argparse.Namespace) -> RunOptions:
     check_step_limits(args)
     if method:
         refuse_entropy_with_chunks(args)
+    else:
+        refuse_truncated_sampling(args)
     config = replace(drpo_config(args), max_len=openrlhf_flags.length_reward_c(args))
     refuse_tensor_parallel_with_chunks(args)
     decided, line = resolve_answer_format(args)
@@ -157,6 +175,7 @@ def build_options(args: argparse.Namespace) -> RunOptions:
         cpu_dtype=flag(args, "drpo.cpu_dtype"),
         verify_weight_sync=flag(args, "drpo.verify_weight_sync"),
         weight_probe=flag(args, "drpo.weight_probe"),
+        allow_engine_difference=flag(args, "drpo.allow_engine_difference"),
         logprob_chunk_tokens=flag(args, "drpo.logprob_chunk_tokens"),
         ckpt_path=flag(args, "ckpt.path"),
         resume=flag(args, "ckpt.load_enable"),

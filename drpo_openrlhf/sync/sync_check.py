@@ -46,6 +46,7 @@ from drpo_openrlhf.algo.weight_probe import (
     compare_probe,
     probe_token_ids,
 )
+from drpo_openrlhf.sync import engine_settings
 from drpo_openrlhf.sync.weight_digest import Digest, WorkerReport, check_sync, digest
 from drpo_openrlhf.sync.weight_version import tag_version
 
@@ -130,6 +131,13 @@ class SentDigestsActor:
     def sent_weight_digests(self) -> dict[str, Digest] | None:
         return self._sent_digests
 
+    def actor_settings(self) -> dict[str, str] | None:
+        """On rank 0, what the actor runs, for ``engine_settings.check``."""
+        if torch.distributed.get_rank() != 0:
+            return None
+        model = self.trainer.actor.model.module
+        return engine_settings.actor_settings(model, self.trainer.strategy.args.data.max_len)
+
     @releasing_device_cache
     def probe_logprobs(self, token_ids: list[int]) -> list[float]:
         """The actor's log-prob of each probe token after those before it, at temperature 1
@@ -186,6 +194,9 @@ class SyncReportingEngine:
 
     async def weight_sync_report(self) -> list[dict]:
         return await self.llm.collective_rpc("weight_sync_report")
+
+    async def engine_settings(self) -> list[dict[str, str]]:
+        return await self.llm.collective_rpc("engine_settings")
 
     async def probe_logprobs(self, token_ids: list[int]) -> list[float]:
         """vLLM's log-prob of each probe token after those before it (prompt log-probs: from
@@ -274,13 +285,25 @@ class VerifiedSyncTrainer:
         reports = ray.get([engine.weight_sync_report.remote() for engine in self.vllm_engines])
         return [[worker_report(w) for w in r] for r in reports]
 
+    def _check_engine_settings(self, when: str) -> None:
+        """What every engine runs against what the actor runs (``engine_settings``)."""
+        ranks = ray.get(self.actor_model_group.async_run_method(method_name="actor_settings"))
+        actor = next(s for s in ranks if s is not None)
+        engines = ray.get([engine.engine_settings.remote() for engine in self.vllm_engines])
+        allowed = self.args.drpo_run.allow_engine_difference
+        print(f"drpo_openrlhf: {engine_settings.check(actor, engines, when, allowed)}", flush=True)
+
     def init_checkpoint_states(self):
-        """Called once at the start of ``fit``, before any sync or rollout: map the layout
-        and, in a run that does not resume, check the weights vLLM loaded from disk."""
+        """Called once at the start of ``fit``, before any sync or rollout: compare what the
+        engines run with what the actor runs, map the layout and, in a run that does not
+        resume, check the weights vLLM loaded from disk."""
         states = super().init_checkpoint_states()
-        if not _verifying(self.args) or not self.vllm_engines:
+        if not self.vllm_engines:
             return states
         resuming = states["global_step"] > 0
+        self._check_engine_settings("at the resumed run's start" if resuming else "at start-up")
+        if not _verifying(self.args):
+            return states
         if self.args.vllm.enable_sleep and not resuming:  # asleep since start: weights on host
             batch_vllm_engine_call(self.vllm_engines, "wake_up", tags=["weights"])
         weights = self._actor_weights(digests=not resuming)

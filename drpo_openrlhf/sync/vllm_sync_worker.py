@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
 
+from drpo_openrlhf.sync import engine_settings
 from drpo_openrlhf.sync.weight_digest import (
     Block,
     Digest,
@@ -225,6 +226,11 @@ class WeightSyncRecorder:
         loads, self._drpo_loads = self._drpo_loads or {}, None
         unloaded = sorted(set(params) - set(home.values()))
         return {"loads": loads, "held": held, "param": home, "unloaded": unloaded}
+
+    def engine_settings(self) -> dict[str, str]:
+        """What this worker runs, for the driver's comparison with the actor
+        (``engine_settings``)."""
+        return engine_settings.engine_settings(self)
 
 
 class GPUWorkerWrap(WeightSyncRecorder, WorkerWrap):

@@ -21,6 +21,13 @@ Faults in what the engine computes, which its weights (and so the digests) do no
 - ``"fp16_linear": true``: the linear layers compute in fp16 (the weights stay bf16);
 - ``"temperature": T``: the engine samples (and reports log-probs) at temperature T whatever
   the request asks; prompt log-probs (the weight probe's) are left alone.
+
+Settings an engine is created with otherwise than the run asked, set in its model's config
+before vLLM builds the model (so the model computes with them, as if created so):
+
+- ``"dtype": NAME``: the model's dtype (``"float16"``), weights and compute;
+- ``"max_model_len": N``: the longest sequence the engine accepts;
+- ``"kv_cache_dtype": NAME``: the KV cache's dtype (``"fp8"``).
 """
 
 from __future__ import annotations
@@ -85,6 +92,21 @@ def _compute_otherwise(model, breakage: dict) -> None:
         print(f"SYNC BREAK: {len(layers)} linear layers compute in fp16", flush=True)
 
 
+def _configure_otherwise(vllm_config, breakage: dict) -> None:
+    """``dtype`` / ``max_model_len`` / ``kv_cache_dtype``: the engine's config, before the
+    model is built with it."""
+    model_config, cache_config = vllm_config.model_config, vllm_config.cache_config
+    if "dtype" in breakage:
+        model_config.dtype = getattr(torch, breakage["dtype"])
+        print(f"SYNC BREAK: the engine's model in {breakage['dtype']}", flush=True)
+    if "max_model_len" in breakage:
+        model_config.max_model_len = breakage["max_model_len"]
+        print(f"SYNC BREAK: max_model_len {breakage['max_model_len']}", flush=True)
+    if "kv_cache_dtype" in breakage:
+        cache_config.cache_dtype = breakage["kv_cache_dtype"]
+        print(f"SYNC BREAK: KV cache in {breakage['kv_cache_dtype']}", flush=True)
+
+
 def _load_model_then_break() -> None:
     """Apply ``rope_theta`` / ``fp16_linear`` to the engine's model once vLLM has built it
     (after ``process_weights_after_loading``, which sets each linear layer's CPU kernel)."""
@@ -93,8 +115,10 @@ def _load_model_then_break() -> None:
     load_model = BaseModelLoader.load_model
 
     def load_then_break(self, vllm_config, model_config, prefix=""):
+        breakage = _table().get(str(model_config.seed - BASE_SEED), {})
+        _configure_otherwise(vllm_config, breakage)
         model = load_model(self, vllm_config, model_config, prefix=prefix)
-        _compute_otherwise(model, _table().get(str(model_config.seed - BASE_SEED), {}))
+        _compute_otherwise(model, breakage)
         return model
 
     BaseModelLoader.load_model = load_then_break
