@@ -316,7 +316,12 @@ def unbounded_worst_case(latex: str, cap_s: float) -> float | None:
     return seconds if seconds <= cap_s else None
 
 
-def main() -> None:
+# responses, labels and the kind of each (``make_responses``)
+Batch = tuple[list[str], list[str], list[str]]
+
+
+def parse_args() -> argparse.Namespace:
+    """The command line; ``--quick`` shrinks the run to a smoke test."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--n", type=int, default=2000, help="realistic responses")
     parser.add_argument("--tokens", type=int, default=3000, help="reasoning tokens each")
@@ -329,6 +334,152 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.n, args.unbounded_cap = 200, 10.0
+    return args
+
+
+def as_expected(kinds: list[str], correct: list[bool]) -> float:
+    """The share graded as the response's kind says (identical and equivalent answers
+    correct, the rest not): a fast grader only counts if it is also right."""
+    good = sum((k in ("identical", "equivalent")) == c for k, c in zip(kinds, correct, strict=True))
+    return good / len(kinds)
+
+
+def batch_phase(args: argparse.Namespace, batch: Batch) -> dict:
+    """Phase 1: ``grade_responses`` on the whole batch at once."""
+    responses, labels, kinds = batch
+    elapsed, results = bench_batch(responses, labels, args.timeout)
+    entry = {
+        "seconds": elapsed,
+        "responses_per_s": args.n / elapsed,
+        "as_expected": as_expected(kinds, [r.correct for r in results]),
+    }
+    print(
+        f"[batch] grade_responses: {args.n / elapsed:,.0f} responses/s ({elapsed:.2f} s), "
+        f"graded as expected: {entry['as_expected']:.1%}"
+    )
+    return entry
+
+
+def plugin_phase(args: argparse.Namespace, batch: Batch) -> dict:
+    """Phase 2: the OpenRLHF plugin, one sample per call, ``--threads`` calls in flight."""
+    responses, labels, kinds = batch
+    prompt = "<｜begin▁of▁sentence｜><｜User｜>Solve the problem.<｜Assistant｜><think>\n"
+    elapsed, lat, outs = bench_openrlhf_style(prompt, responses, labels, args.threads)
+    entry = {
+        "threads": args.threads,
+        "responses_per_s": args.n / elapsed,
+        "latency_ms": {
+            "p50": 1e3 * percentile(lat, 0.5),
+            "p95": 1e3 * percentile(lat, 0.95),
+            "p99": 1e3 * percentile(lat, 0.99),
+            "max": 1e3 * max(lat),
+        },
+        "as_expected": as_expected(kinds, [bool(o["scores"][0]) for o in outs]),
+    }
+    print(
+        f"[plugin] reward_func x1 via asyncio.to_thread ({args.threads} threads): "
+        f"{args.n / elapsed:,.0f} responses/s; latency ms "
+        + ", ".join(f"{k} {v:.1f}" for k, v in entry["latency_ms"].items())
+    )
+    return entry
+
+
+def plain_phase(
+    args: argparse.Namespace, batch: Batch, warmup: tuple[list[str], list[str]], plugin_rate: float
+) -> dict:
+    """Phase 3: plain single-process math-verify, the baseline the plugin's rate is
+    compared with."""
+    responses, labels, kinds = batch
+    elapsed, plain = bench_plain(responses, labels, warmup)
+    entry = {
+        "responses_per_s": args.n / elapsed,
+        "as_expected": as_expected(kinds, plain),
+        "plugin_over_plain": plugin_rate / (args.n / elapsed),
+    }
+    print(
+        f"[plain] single-process math-verify: {args.n / elapsed:,.0f} responses/s; "
+        f"plugin / plain = {entry['plugin_over_plain']:.2f}x"
+    )
+    return entry
+
+
+def unbounded_phase(args: argparse.Namespace, batch: Batch) -> dict:
+    """Phase 4: math-verify in worker threads without deadlines (the unbounded style)."""
+    responses, labels, kinds = batch
+    elapsed, unb = bench_unbounded_threads(responses, labels, args.threads)
+    entry = {
+        "threads": args.threads,
+        "responses_per_s": args.n / elapsed,
+        "as_expected": as_expected(kinds, unb),
+    }
+    print(f"[unbounded] in-thread math-verify: {args.n / elapsed:,.0f} responses/s")
+    return entry
+
+
+def overhead_phase() -> dict:
+    """The per-call overhead of one pool round trip on a trivial pair (``k+0`` is no plain
+    number, so no fast path takes it)."""
+    lat = []
+    for k in range(200):  # a new pair each time: verdicts are cached per (label, answer)
+        t = time.perf_counter()
+        grade_responses([f"</think>\\boxed{{{k + 7}+0}}"], [str(k + 7)])
+        lat.append(time.perf_counter() - t)
+    entry = {"p50": 1e3 * percentile(lat, 0.5), "p99": 1e3 * percentile(lat, 0.99)}
+    print(f"[overhead] one trivial (uncached) call through the pool: p50 {entry['p50']:.2f} ms")
+    return entry
+
+
+def kk_phase(args: argparse.Namespace) -> dict:
+    """Phase 5: K&K grading, pure-Python parsing in the calling thread, no pool."""
+    from drpo_openrlhf.rewards.kk_reward import grade_kk_responses
+
+    rng = random.Random(3)
+    names = ["Ella", "Zoey", "Scarlett", "Henry", "Amelia", "Oliver", "Mia"]
+    kk_responses, kk_labels = [], []
+    for _ in range(args.n):
+        roles = [rng.random() < 0.5 for _ in names]
+        kk_labels.append(
+            "\n".join(
+                f"({i}) {n} is a {'knight' if r else 'knave'}"
+                for i, (n, r) in enumerate(zip(names, roles, strict=True), 1)
+            )
+        )
+        answer = ", ".join(
+            f"{n} is a {'knight' if r else 'knave'}" for n, r in zip(names, roles, strict=True)
+        )
+        kk_responses.append(f"{reasoning(rng, args.tokens)}</think>\nCONCLUSION:\n{answer}.")
+    start = time.perf_counter()
+    kk_results = grade_kk_responses(kk_responses, kk_labels)
+    elapsed = time.perf_counter() - start
+    entry = {
+        "responses_per_s": args.n / elapsed,
+        "correct": sum(r.correct for r in kk_results) / args.n,
+    }
+    print(f"[kk] grade_kk_responses: {args.n / elapsed:,.0f} responses/s (one thread)")
+    return entry
+
+
+def adversarial_phase(args: argparse.Namespace) -> dict:
+    """Phase 6: each adversarial answer bounded and unbounded, then a 5 MB response."""
+    entries: dict = {}
+    print(f"\n{'adversarial answer':24} {'bounded':>18} {'unbounded (in-thread)':>24}")
+    for name, latex in ADVERSARIAL.items():
+        b_s, reason = bounded_worst_case(latex, args.timeout)
+        u_s = unbounded_worst_case(latex, args.unbounded_cap)
+        entries[name] = {"bounded_s": b_s, "reason": reason, "unbounded_s": u_s}
+        u_txt = f"> {args.unbounded_cap:.0f} s" if u_s is None else f"{u_s:.2f} s"
+        print(f"{name:24} {b_s:8.2f} s {reason:>8} {u_txt:>24}")
+    big = "x" * 5_000_000 + "</think>\\boxed{\\frac{6}{8}}"
+    t = time.perf_counter()
+    (res,) = grade_responses([big], ["0.75"], timeout_s=args.timeout)
+    big_s = time.perf_counter() - t
+    entries["5 MB response"] = {"bounded_s": big_s, "reason": res.reason}
+    print(f"{'5 MB response':24} {big_s:8.2f} s {res.reason:>8}")
+    return entries
+
+
+def main() -> None:
+    args = parse_args()
 
     import logging
 
@@ -352,121 +503,14 @@ def main() -> None:
     print(f"{args.n} responses, ~{args.tokens} reasoning tokens ({avg_chars:.0f} chars) each")
     print(f"grader workers: {get_pool().num_workers}, CPUs: {os.cpu_count()}")
 
-    def as_expected(kinds, correct) -> float:
-        good = sum(
-            (k in ("identical", "equivalent")) == c for k, c in zip(kinds, correct, strict=True)
-        )
-        return good / len(kinds)
-
-    responses, labels, kinds = data[0]
-    elapsed, results = bench_batch(responses, labels, args.timeout)
-    report["batch"] = {
-        "seconds": elapsed,
-        "responses_per_s": args.n / elapsed,
-        "as_expected": as_expected(kinds, [r.correct for r in results]),
-    }
-    print(
-        f"[batch] grade_responses: {args.n / elapsed:,.0f} responses/s ({elapsed:.2f} s), "
-        f"graded as expected: {report['batch']['as_expected']:.1%}"
-    )
-
-    responses, labels, kinds = data[1]
-    prompt = "<｜begin▁of▁sentence｜><｜User｜>Solve the problem.<｜Assistant｜><think>\n"
-    elapsed, lat, outs = bench_openrlhf_style(prompt, responses, labels, args.threads)
-    report["openrlhf_style"] = {
-        "threads": args.threads,
-        "responses_per_s": args.n / elapsed,
-        "latency_ms": {
-            "p50": 1e3 * percentile(lat, 0.5),
-            "p95": 1e3 * percentile(lat, 0.95),
-            "p99": 1e3 * percentile(lat, 0.99),
-            "max": 1e3 * max(lat),
-        },
-        "as_expected": as_expected(kinds, [bool(o["scores"][0]) for o in outs]),
-    }
-    print(
-        f"[plugin] reward_func x1 via asyncio.to_thread ({args.threads} threads): "
-        f"{args.n / elapsed:,.0f} responses/s; latency ms "
-        + ", ".join(f"{k} {v:.1f}" for k, v in report["openrlhf_style"]["latency_ms"].items())
-    )
-
-    responses, labels, kinds = data[3]
-    elapsed, plain = bench_plain(responses, labels, data[0][:2])
+    report["batch"] = batch_phase(args, data[0])
+    report["openrlhf_style"] = plugin_phase(args, data[1])
     plugin_rate = report["openrlhf_style"]["responses_per_s"]
-    report["plain_single_process"] = {
-        "responses_per_s": args.n / elapsed,
-        "as_expected": as_expected(kinds, plain),
-        "plugin_over_plain": plugin_rate / (args.n / elapsed),
-    }
-    print(
-        f"[plain] single-process math-verify: {args.n / elapsed:,.0f} responses/s; "
-        f"plugin / plain = {report['plain_single_process']['plugin_over_plain']:.2f}x"
-    )
-
-    responses, labels, kinds = data[2]
-    elapsed, unb = bench_unbounded_threads(responses, labels, args.threads)
-    report["unbounded_threads"] = {
-        "threads": args.threads,
-        "responses_per_s": args.n / elapsed,
-        "as_expected": as_expected(kinds, unb),
-    }
-    print(f"[unbounded] in-thread math-verify: {args.n / elapsed:,.0f} responses/s")
-
-    # per-call overhead of one pool round trip on a trivial pair (``k+0`` is no plain number,
-    # so no fast path takes it)
-    lat = []
-    for k in range(200):  # a new pair each time: verdicts are cached per (label, answer)
-        t = time.perf_counter()
-        grade_responses([f"</think>\\boxed{{{k + 7}+0}}"], [str(k + 7)])
-        lat.append(time.perf_counter() - t)
-    report["single_call_ms"] = {
-        "p50": 1e3 * percentile(lat, 0.5),
-        "p99": 1e3 * percentile(lat, 0.99),
-    }
-    p50 = report["single_call_ms"]["p50"]
-    print(f"[overhead] one trivial (uncached) call through the pool: p50 {p50:.2f} ms")
-
-    # K&K: pure-Python parsing in the calling thread, no pool
-    from drpo_openrlhf.rewards.kk_reward import grade_kk_responses
-
-    rng = random.Random(3)
-    names = ["Ella", "Zoey", "Scarlett", "Henry", "Amelia", "Oliver", "Mia"]
-    kk_responses, kk_labels = [], []
-    for _ in range(args.n):
-        roles = [rng.random() < 0.5 for _ in names]
-        kk_labels.append(
-            "\n".join(
-                f"({i}) {n} is a {'knight' if r else 'knave'}"
-                for i, (n, r) in enumerate(zip(names, roles, strict=True), 1)
-            )
-        )
-        answer = ", ".join(
-            f"{n} is a {'knight' if r else 'knave'}" for n, r in zip(names, roles, strict=True)
-        )
-        kk_responses.append(f"{reasoning(rng, args.tokens)}</think>\nCONCLUSION:\n{answer}.")
-    start = time.perf_counter()
-    kk_results = grade_kk_responses(kk_responses, kk_labels)
-    elapsed = time.perf_counter() - start
-    report["kk"] = {
-        "responses_per_s": args.n / elapsed,
-        "correct": sum(r.correct for r in kk_results) / args.n,
-    }
-    print(f"[kk] grade_kk_responses: {args.n / elapsed:,.0f} responses/s (one thread)")
-
-    report["adversarial"] = {}
-    print(f"\n{'adversarial answer':24} {'bounded':>18} {'unbounded (in-thread)':>24}")
-    for name, latex in ADVERSARIAL.items():
-        b_s, reason = bounded_worst_case(latex, args.timeout)
-        u_s = unbounded_worst_case(latex, args.unbounded_cap)
-        report["adversarial"][name] = {"bounded_s": b_s, "reason": reason, "unbounded_s": u_s}
-        u_txt = f"> {args.unbounded_cap:.0f} s" if u_s is None else f"{u_s:.2f} s"
-        print(f"{name:24} {b_s:8.2f} s {reason:>8} {u_txt:>24}")
-    big = "x" * 5_000_000 + "</think>\\boxed{\\frac{6}{8}}"
-    t = time.perf_counter()
-    (res,) = grade_responses([big], ["0.75"], timeout_s=args.timeout)
-    big_s = time.perf_counter() - t
-    report["adversarial"]["5 MB response"] = {"bounded_s": big_s, "reason": res.reason}
-    print(f"{'5 MB response':24} {big_s:8.2f} s {res.reason:>8}")
+    report["plain_single_process"] = plain_phase(args, data[3], data[0][:2], plugin_rate)
+    report["unbounded_threads"] = unbounded_phase(args, data[2])
+    report["single_call_ms"] = overhead_phase()
+    report["kk"] = kk_phase(args)
+    report["adversarial"] = adversarial_phase(args)
     report["pool_counts"] = dict(get_pool().counts)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))

@@ -181,103 +181,176 @@ def _weights_asleep(zero: int, weight_bytes: float, world: int) -> Term:
     return Term("weights", weight_bytes / GIB, "--ds.zero_stage 3 shards it over the actor GPUs")
 
 
+def _gib(n: float) -> float:
+    """Bytes as GiB, the unit every term and the capacity are compared in."""
+    return n / GIB
+
+
+def _model_state(
+    args: argparse.Namespace, shape: ModelShape, world: int, zero: int, width: int
+) -> list[Term]:
+    """The actor's weights, gradients and Adam states per GPU: what the ZeRO stage shards and
+    the flags that shrink each."""
+    p, h, v = shape.params, shape.hidden, shape.vocab
+    fp32_accum = flag(args, "ds.grad_accum_dtype") == "fp32" and zero != 2  # ZeRO-2 ignores it
+    zero3_flag = "--ds.zero_stage 3 shards it over the actor GPUs"
+    if zero == 3:
+        live = max(v * h, shape.layer_params) + PREFETCH_BUCKET
+        weights = Term("weights", _gib(width * (p / world + live)), "more actor GPUs")
+    else:
+        weights = Term("weights", _gib(width * p), zero3_flag)
+    grad_width = 4 if fp32_accum else width
+    grad_elems = p / world + REDUCE_BUCKET if zero >= 2 else p + (p / world if zero == 1 else 0)
+    grads = Term("gradients", _gib(grad_width * grad_elems), zero3_flag)
+    optimizer = Term(
+        "optimizer (Adam fp32)",
+        0.0 if flag(args, "ds.adam_offload") else _gib(ADAM_BYTES * p / (world if zero else 1)),
+        "--ds.adam_offload" + (", or more actor GPUs" if zero else ", or --ds.zero_stage >= 1"),
+    )
+    return [weights, grads, optimizer]
+
+
+def _resident(
+    args: argparse.Namespace,
+    shape: ModelShape,
+    world: int,
+    zero: int,
+    width: int,
+    vllm_gib: float,
+    has_ref: bool,
+) -> list[Term]:
+    """What stays on an actor GPU while it scores and trains besides the actor's own state:
+    the CUDA context, a colocated vLLM engine and the reference model's weights."""
+    resident = [Term("CUDA context", CUDA_CONTEXT_GIB, "")]
+    colocated = flag(args, "train.colocate_all")
+    if colocated:
+        resident.append(_vllm_beside_actor(args, vllm_gib))
+    if has_ref and colocated:
+        ref_elems = shape.params / world if zero == 3 else shape.params
+        resident.append(Term("reference weights", _gib(width * ref_elems), "--ref.offload"))
+    return resident
+
+
+def _token_budgets(args: argparse.Namespace, tp: int) -> tuple[int, int, str, str]:
+    """Tokens one training and one scoring forward hold per GPU, and the flag that bounds
+    each: activations and unchunked logits grow with them."""
+    max_len = flag(args, "data.max_len")
+    if flag(args, "train.dynamic_batch_enable"):
+        # per GPU already: OpenRLHF gives a ring group ring_attn_size times the budget
+        train_tokens = flag(args, "train.max_tokens_per_gpu")
+        score_tokens = flag(args, "rollout.max_tokens_per_gpu") or train_tokens
+        train_flag, score_flag = "--train.max_tokens_per_gpu", "--rollout.max_tokens_per_gpu"
+        return train_tokens, score_tokens, train_flag, score_flag
+    # ring attention: each GPU of a ring group forwards its slice of the packed tokens
+    ring = flag(args, "ds.ring_attn_size")
+    train_rows = flag(args, "train.micro_batch_size")
+    train_tokens = -(-train_rows * max_len // ring)
+    train_flag = "--train.micro_batch_size"
+    if flag(args, "shaping.method"):  # OpenRLHF's own split of the rollout
+        score_rows, score_flag = (
+            flag(args, "rollout.micro_batch_size"),
+            "--rollout.micro_batch_size",
+        )
+    else:
+        # DRPO deals the rollout into the update's micro-batches before pi_old (and the
+        # reference) score it (update/experience.py: deal_samples); a short last rollout
+        # can add one response to a rank's last micro-batch
+        score_rows, score_flag = train_rows + 1, train_flag
+    score_tokens = -(-score_rows * max_len // ring)
+    if tp == 1:  # ring attention and AutoTP together are refused (train.py)
+        train_flag += " (or --ds.ring_attn_size)"
+        score_flag += " (or --ds.ring_attn_size)"
+    return train_tokens, score_tokens, train_flag, score_flag
+
+
+def _logits(
+    args: argparse.Namespace,
+    shape: ModelShape,
+    tp: int,
+    has_ref: bool,
+    tokens: tuple[int, int, str, str],
+) -> tuple[Term, Term]:
+    """The scoring and the training micro-step's logits: often the largest term of a long
+    response, so each names the flag (chunking or a smaller budget) that shrinks it."""
+    train_tokens, score_tokens, train_flag, score_flag = tokens
+    h, v = shape.hidden, shape.vocab
+    chunk = flag(args, "drpo.logprob_chunk_tokens")
+    train_chunk_flag = score_chunk_flag = "--drpo.logprob_chunk_tokens 1024 computes them in chunks"
+    if tp > 1:  # chunked log-probs are refused with AutoTP (runtime/options.py)
+        unchunked = " (log-probs are not chunked under --ds.tensor_parallel_size)"
+        train_chunk_flag, score_chunk_flag = train_flag + unchunked, score_flag + unchunked
+    if chunk:
+        # bf16 logits, their fp32 copy and the logits' gradient in bf16, for one chunk; the
+        # output layer's fp32 gradient sum (training only).
+        score_logits = Term("logits", _gib(chunk * v * 6), "--drpo.logprob_chunk_tokens")
+        train_logits = Term(
+            "logits", _gib(chunk * v * 8 + 4 * v * h), "--drpo.logprob_chunk_tokens"
+        )
+    else:
+        # OpenRLHF's Actor.forward: bf16 logits, fp32 copy (+ its gradient in fp32 and bf16).
+        score_logits = Term("logits", _gib(score_tokens * v * 6), score_chunk_flag)
+        train_logits = Term("logits", _gib(train_tokens * v * 12), train_chunk_flag)
+
+    if has_ref:  # OpenRLHF's reference model scores unchunked, after the actor
+        ref_logits = _gib(score_tokens * v * 6)
+        if ref_logits > score_logits.gib:
+            score_logits = Term(
+                "logits", ref_logits, f"{score_flag} (the reference model's are not chunked)"
+            )
+    return score_logits, train_logits
+
+
+def _generation(
+    args: argparse.Namespace,
+    model_state: list[Term],
+    zero: int,
+    weight_bytes: float,
+    world: int,
+    vllm_gib: float,
+) -> Phase:
+    """A colocated actor GPU while vLLM generates: the engine awake beside what the sleeping
+    (or awake) actor keeps."""
+    actor = [
+        Term("CUDA context", CUDA_CONTEXT_GIB, ""),
+        Term("vLLM", vllm_gib, "--vllm.gpu_memory_utilization"),
+    ]
+    if flag(args, "ds.enable_sleep"):
+        actor.append(_weights_asleep(zero, weight_bytes, world))
+    else:
+        actor += [t for t in model_state if t.gib]
+    return Phase("generation", tuple(actor))
+
+
 def plan(args: argparse.Namespace, shape: ModelShape, capacity_gib: float) -> MemoryPlan:
     """The three phases of a run per actor GPU: generation (vLLM awake), scoring the rollout
     (old log-probs, the reference's), and the training micro-step."""
     world = flag(args, "actor.num_nodes") * flag(args, "actor.num_gpus_per_node")
     zero = flag(args, "ds.zero_stage")
     width = 2 if flag(args, "ds.param_dtype") in ("bf16", "fp16") else 4
-    fp32_accum = flag(args, "ds.grad_accum_dtype") == "fp32" and zero != 2  # ZeRO-2 ignores it
-    chunk = flag(args, "drpo.logprob_chunk_tokens")
-    colocated = flag(args, "train.colocate_all")
-    p, h, v = shape.params, shape.hidden, shape.vocab
-    gib = lambda n: n / GIB  # noqa: E731
-
-    zero3_flag = "--ds.zero_stage 3 shards it over the actor GPUs"
-    if zero == 3:
-        live = max(v * h, shape.layer_params) + PREFETCH_BUCKET
-        weights = Term("weights", gib(width * (p / world + live)), "more actor GPUs")
-    else:
-        weights = Term("weights", gib(width * p), zero3_flag)
-    grad_width = 4 if fp32_accum else width
-    grad_elems = p / world + REDUCE_BUCKET if zero >= 2 else p + (p / world if zero == 1 else 0)
-    grads = Term("gradients", gib(grad_width * grad_elems), zero3_flag)
-    optimizer = Term(
-        "optimizer (Adam fp32)",
-        0.0 if flag(args, "ds.adam_offload") else gib(ADAM_BYTES * p / (world if zero else 1)),
-        "--ds.adam_offload" + (", or more actor GPUs" if zero else ", or --ds.zero_stage >= 1"),
-    )
-    resident = [Term("CUDA context", CUDA_CONTEXT_GIB, "")]
-    vllm = flag(args, "vllm.gpu_memory_utilization") * capacity_gib
-    if colocated:
-        resident.append(_vllm_beside_actor(args, vllm))
-    has_ref = flag(args, "algo.kl.init_coef") > 0 and not flag(args, "ref.offload")
-    if has_ref and colocated:
-        ref_elems = p / world if zero == 3 else p
-        resident.append(Term("reference weights", gib(width * ref_elems), "--ref.offload"))
-
-    max_len = flag(args, "data.max_len")
     tp = flag(args, "ds.tensor_parallel_size")
-    if flag(args, "train.dynamic_batch_enable"):
-        # per GPU already: OpenRLHF gives a ring group ring_attn_size times the budget
-        train_tokens = flag(args, "train.max_tokens_per_gpu")
-        score_tokens = flag(args, "rollout.max_tokens_per_gpu") or train_tokens
-        train_flag, score_flag = "--train.max_tokens_per_gpu", "--rollout.max_tokens_per_gpu"
-    else:
-        # ring attention: each GPU of a ring group forwards its slice of the packed tokens
-        ring = flag(args, "ds.ring_attn_size")
-        train_rows = flag(args, "train.micro_batch_size")
-        train_tokens = -(-train_rows * max_len // ring)
-        train_flag = "--train.micro_batch_size"
-        if flag(args, "shaping.method"):  # OpenRLHF's own split of the rollout
-            score_rows, score_flag = (
-                flag(args, "rollout.micro_batch_size"),
-                "--rollout.micro_batch_size",
-            )
-        else:
-            # DRPO deals the rollout into the update's micro-batches before pi_old (and the
-            # reference) score it (update/experience.py: deal_samples); a short last rollout
-            # can add one response to a rank's last micro-batch
-            score_rows, score_flag = train_rows + 1, train_flag
-        score_tokens = -(-score_rows * max_len // ring)
-        if tp == 1:  # ring attention and AutoTP together are refused (train.py)
-            train_flag += " (or --ds.ring_attn_size)"
-            score_flag += " (or --ds.ring_attn_size)"
-    train_chunk_flag = score_chunk_flag = "--drpo.logprob_chunk_tokens 1024 computes them in chunks"
-    if tp > 1:  # chunked log-probs are refused with AutoTP (train.py)
-        unchunked = " (log-probs are not chunked under --ds.tensor_parallel_size)"
-        train_chunk_flag, score_chunk_flag = train_flag + unchunked, score_flag + unchunked
-    if chunk:
-        # bf16 logits, their fp32 copy and the logits' gradient in bf16, for one chunk; the
-        # output layer's fp32 gradient sum (training only).
-        score_logits = Term("logits", gib(chunk * v * 6), "--drpo.logprob_chunk_tokens")
-        train_logits = Term("logits", gib(chunk * v * 8 + 4 * v * h), "--drpo.logprob_chunk_tokens")
-    else:
-        # OpenRLHF's Actor.forward: bf16 logits, fp32 copy (+ its gradient in fp32 and bf16).
-        score_logits = Term("logits", gib(score_tokens * v * 6), score_chunk_flag)
-        train_logits = Term("logits", gib(train_tokens * v * 12), train_chunk_flag)
+    vllm = flag(args, "vllm.gpu_memory_utilization") * capacity_gib
+    has_ref = flag(args, "algo.kl.init_coef") > 0 and not flag(args, "ref.offload")
+    model_state = _model_state(args, shape, world, zero, width)
+    resident = _resident(args, shape, world, zero, width, vllm, has_ref)
+    tokens = _token_budgets(args, tp)
+    train_tokens, score_tokens, train_flag, score_flag = tokens
+    score_logits, train_logits = _logits(args, shape, tp, has_ref, tokens)
 
-    if has_ref:  # OpenRLHF's reference model scores unchunked, after the actor
-        ref_logits = gib(score_tokens * v * 6)
-        if ref_logits > score_logits.gib:
-            score_logits = Term(
-                "logits", ref_logits, f"{score_flag} (the reference model's are not chunked)"
-            )
     layer = shape.token_layer_elements * width
     if flag(args, "actor.gradient_checkpointing_enable"):
-        kept = shape.layers * h * width + 2 * layer  # layer inputs + one recomputed layer
+        # layer inputs + one recomputed layer
+        kept = shape.layers * shape.hidden * width + 2 * layer
         act_flag = train_flag
     else:
         kept = shape.layers * 2 * layer
         act_flag = "--actor.gradient_checkpointing_enable"
-    model_state = [weights, grads, optimizer]
     phases = [
         Phase(
             "scoring",
             (
                 *resident,
                 *model_state,
-                Term("activations", gib(score_tokens * layer), score_flag),
+                Term("activations", _gib(score_tokens * layer), score_flag),
                 score_logits,
             ),
         ),
@@ -286,21 +359,13 @@ def plan(args: argparse.Namespace, shape: ModelShape, capacity_gib: float) -> Me
             (
                 *resident,
                 *model_state,
-                Term("activations", gib(train_tokens * kept), act_flag),
+                Term("activations", _gib(train_tokens * kept), act_flag),
                 train_logits,
             ),
         ),
     ]
-    if colocated:
-        actor = [
-            Term("CUDA context", CUDA_CONTEXT_GIB, ""),
-            Term("vLLM", vllm, "--vllm.gpu_memory_utilization"),
-        ]
-        if flag(args, "ds.enable_sleep"):
-            actor.append(_weights_asleep(zero, width * p, world))
-        else:
-            actor += [t for t in model_state if t.gib]
-        phases.insert(0, Phase("generation", tuple(actor)))
+    if flag(args, "train.colocate_all"):
+        phases.insert(0, _generation(args, model_state, zero, width * shape.params, world, vllm))
     return MemoryPlan(tuple(phases), capacity_gib)
 
 

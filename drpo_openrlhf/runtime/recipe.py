@@ -334,24 +334,12 @@ def runtime_env(env: Mapping[str, str], repo: str) -> str:
     return json.dumps(runtime, ensure_ascii=False)
 
 
-def plan(
-    env: Mapping[str, str],
-    nodes: int,
-    gpus_per_node: int,
-    job_name: str,
-    workdir: str,
-    extra: list[str],
-    repo: str,
-    log: Callable[[str], None],
-) -> Plan:
-    """The launch of a recipe: ``env`` its settings, ``nodes`` x ``gpus_per_node`` the
-    cluster the launcher found, ``extra`` the recipe's trailing flags; ``log`` says how the
-    training data makes episodes."""
-    r = _Recipe(env, workdir)
-    model, lr = r.get("MODEL"), r.get("LR")
-    if not model:
+def _checked_settings(r: _Recipe) -> dict[str, str]:
+    """The settings with LONG's token budget and ring size filled in, each checked before any
+    flag is built so that a bad one names itself."""
+    if not r.get("MODEL"):
         raise RecipeError("MODEL (HF id or local path of the policy) is required")
-    if not lr:
+    if not r.get("LR"):
         raise RecipeError("LR is required")
     long = r.get("LONG")
     if long not in LONG:
@@ -366,7 +354,14 @@ def plan(
         raise RecipeError(f"BEST_CKPT must be 0 or 1, got '{s['BEST_CKPT']}'")
     if s["DEVICE"] not in DEVICES:
         raise RecipeError(f"DEVICE must be one of {' '.join(DEVICES)}, got '{s['DEVICE']}'")
+    return s
 
+
+def _placement(
+    r: _Recipe, s: Mapping[str, str], nodes: int, gpus_per_node: int
+) -> tuple[int, int, list[str]]:
+    """Actor GPUs per node, vLLM GPUs in all and the placement flags: how COLOCATE shares the
+    cluster's GPUs between training and generation."""
     # Colocated (the recipes): every GPU holds one DeepSpeed rank and, time-shared, a slice of
     # a vLLM engine. COLOCATE=0: ACTOR_GPUS_PER_NODE GPUs of each node train, the others
     # generate (also the layout of the CPU pipeline, whose vLLM cannot sleep). The batch
@@ -390,7 +385,12 @@ def plan(
         raise RecipeError(
             f"{vllm_gpus} GPUs cannot be split into vLLM engines of VLLM_TP={vllm_tp}"
         )
+    return actor_gpus, vllm_gpus, placement
 
+
+def _method_args(r: _Recipe, env: Mapping[str, str], s: Mapping[str, str]) -> tuple[list[str], str]:
+    """METHOD's flags (estimator, loss settings) and the tag it gives the run's name, so that
+    each method's runs keep their own checkpoints."""
     # DRPO (default), DisCO (DRPO without the length reward), or a shaped-reward baseline
     # trained with OpenRLHF's PPO loss and group advantages
     method = s["METHOD"]
@@ -413,11 +413,13 @@ def plan(
     else:
         params = r.get("SHAPING_PARAMS")
         run_tag = method + (f"_{params}" if params else "")
+    return method_args, run_tag
 
-    # Paths: the job runs in Ray's copy of the repository, so user paths are made absolute
-    # here; they must be on storage every node sees.
-    if r.exists(model):
-        model = r.path(model)
+
+def _data_paths(r: _Recipe, env: Mapping[str, str], repo: str) -> tuple[str, str]:
+    """TRAIN_DATA and EVAL_DATA with local files checked and made absolute: the job runs in
+    Ray's copy of the repository, so user paths must be absolute (and on storage every node
+    sees)."""
     data_dir = r.get("DATA_DIR") or os.path.join(repo, "data")
     train_data = r.get("TRAIN_DATA") or f"{data_dir}/deepscaler.jsonl"
     if r.looks_local(train_data):
@@ -437,16 +439,14 @@ def plan(
                 )
             item = r.path(item)
         eval_files.append(item)
-    eval_data = ",".join(eval_files)
+    return train_data, ",".join(eval_files)
 
-    # a long variant is its own run: it must not resume the 8k run's checkpoints
-    run_name = r.get("RUN_NAME") or sanitize(f"{job_name}_{run_tag}" + (f"_{long}" if long else ""))
-    output_root = r.path(r.get("OUTPUT_ROOT") or os.path.join(repo, "outputs"))
-    run_dir = f"{output_root}/{run_name}"
-    ckpt_dir = r.path(r.get("CKPT_DIR") or f"{run_dir}/ckpt")
-    # With --ckpt.load_enable the entry point picks the newest *complete* checkpoint
-    # (runtime/checkpoints.py) and logs "drpo_openrlhf: resuming from ...".
 
+def _episodes(
+    r: _Recipe, s: Mapping[str, str], train_data: str, log: Callable[[str], None]
+) -> tuple[str, list[str]]:
+    """NUM_EPISODES and the ``--data.max_samples`` flags: whole episodes of whole rollouts
+    covering MAX_STEPS, so that no short rollout leaves prompts out."""
     # OpenRLHF ends an episode (a pass over the prompts) with whatever prompts are left; DRPO
     # trains only the whole-group optimizer steps of such a short rollout (and logs what it
     # left out): train on the first whole rollouts' worth of prompts so nothing is left out.
@@ -454,7 +454,7 @@ def plan(
     data_args = []
     episodes, rollout, max_steps = r.get("NUM_EPISODES"), int(s["ROLLOUT_PROMPTS"]), s["MAX_STEPS"]
     if r.is_file(train_data) and train_data.endswith(".jsonl"):
-        with open(os.path.join(workdir, train_data), "rb") as f:
+        with open(os.path.join(r.workdir, train_data), "rb") as f:
             prompts = sum(1 for line in f if line.rstrip(b"\n"))
         per_episode = prompts // rollout
         if not per_episode:
@@ -474,15 +474,107 @@ def plan(
             f"steps/episode; {episodes} episode(s) = {int(episodes) * per_episode} steps "
             f"(MAX_STEPS={max_steps})"
         )
+    return episodes, data_args
 
-    tokens = s["MAX_NEW_TOKENS"]
-    optimizer = [
+
+def _optimizer_args(lr: str, s: Mapping[str, str]) -> list[str]:
+    """The optimizer's flags: LR and WEIGHT_DECAY, the rest the entry point's defaults written
+    out, so the job record shows them."""
+    return [
         *("--actor.adam.lr", lr, "--actor.adam.betas", *default_value("--actor.adam.betas")),
         *("--actor.adam.weight_decay", s["WEIGHT_DECAY"]),
         *("--actor.lr_scheduler", *default_value("--actor.lr_scheduler")),
         *("--actor.lr_warmup_ratio", *default_value("--actor.lr_warmup_ratio")),
         *("--actor.max_norm", "1.0", "--algo.kl.init_coef", *default_value("--algo.kl.init_coef")),
     ]
+
+
+def _optional_args(s: Mapping[str, str], eval_data: str) -> list[str]:
+    """Packing, ring attention, the HF save and the evaluation: flags only the settings that
+    ask for them add."""
+    args = []
+    if s["PACKING"] == "1":
+        args.append("--ds.packing_samples")
+    if int(s["RING_ATTN_SIZE"]) > 1:
+        # OpenRLHF would turn packing on by itself; say so instead of running another layout
+        if s["PACKING"] != "1":
+            raise RecipeError(
+                f"RING_ATTN_SIZE={s['RING_ATTN_SIZE']} needs PACKING=1: ring attention splits "
+                "packed sequences"
+            )
+        args += ["--ds.ring_attn_size", s["RING_ATTN_SIZE"]]
+    if s["SAVE_HF"] == "1":
+        args.append("--ckpt.save_hf")
+    if eval_data:
+        args += ["--eval.dataset", eval_data, "--eval.steps", s["EVAL_STEPS"]]
+        args += ["--eval.temperature", s["TEMPERATURE"]]
+        args += ["--eval.n_samples_per_prompt", s["EVAL_N_SAMPLES"]]
+        if s["BEST_CKPT"] != "1":
+            args += ["--ckpt.best_metric_key", "none"]
+    return args
+
+
+def _logging(
+    r: _Recipe, env: Mapping[str, str], s: Mapping[str, str], run_name: str
+) -> tuple[list[str], dict[str, str]]:
+    """The wandb flags and the job's exports (network interface, wandb's run): what the nodes'
+    environment must carry rather than the command line."""
+    args = []
+    exports = {"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    if r.get("NET_IFACE"):
+        for name in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+            exports[name] = r.get(name) or r.get("NET_IFACE")
+    # wandb logs when a key is in the environment (or WANDB=1 with a ~/.netrc login). OpenRLHF
+    # turns it on for any non-empty --logger.wandb.key and wandb then reads WANDB_API_KEY
+    # itself, so the secret never appears on a command line, in the Ray job record, or in
+    # wandb's config.
+    if r.get("WANDB_API_KEY") or env.get("WANDB", "0") == "1":
+        args += ["--logger.wandb.key", "from-environment"]
+        args += ["--logger.wandb.project", s["WANDB_PROJECT"]]
+        args += ["--logger.wandb.run_name", run_name]
+        if r.get("WANDB_ENTITY"):
+            args += ["--logger.wandb.org", r.get("WANDB_ENTITY")]
+        if r.get("WANDB_GROUP"):
+            args += ["--logger.wandb.group", r.get("WANDB_GROUP")]
+        # a requeued job continues the same wandb run
+        exports["WANDB_RUN_ID"] = r.get("WANDB_RUN_ID") or run_name
+        exports["WANDB_RESUME"] = r.get("WANDB_RESUME") or "allow"
+    return args, exports
+
+
+def plan(
+    env: Mapping[str, str],
+    nodes: int,
+    gpus_per_node: int,
+    job_name: str,
+    workdir: str,
+    extra: list[str],
+    repo: str,
+    log: Callable[[str], None],
+) -> Plan:
+    """The launch of a recipe: ``env`` its settings, ``nodes`` x ``gpus_per_node`` the
+    cluster the launcher found, ``extra`` the recipe's trailing flags; ``log`` says how the
+    training data makes episodes."""
+    r = _Recipe(env, workdir)
+    s = _checked_settings(r)
+    model, lr, long = r.get("MODEL"), r.get("LR"), r.get("LONG")
+    actor_gpus, vllm_gpus, placement = _placement(r, s, nodes, gpus_per_node)
+    vllm_tp = int(s["VLLM_TP"])
+    method_args, run_tag = _method_args(r, env, s)
+    if r.exists(model):
+        model = r.path(model)
+    train_data, eval_data = _data_paths(r, env, repo)
+
+    # a long variant is its own run: it must not resume the 8k run's checkpoints
+    run_name = r.get("RUN_NAME") or sanitize(f"{job_name}_{run_tag}" + (f"_{long}" if long else ""))
+    output_root = r.path(r.get("OUTPUT_ROOT") or os.path.join(repo, "outputs"))
+    run_dir = f"{output_root}/{run_name}"
+    ckpt_dir = r.path(r.get("CKPT_DIR") or f"{run_dir}/ckpt")
+    # With --ckpt.load_enable the entry point picks the newest *complete* checkpoint
+    # (runtime/checkpoints.py) and logs "drpo_openrlhf: resuming from ...".
+    episodes, data_args = _episodes(r, s, train_data, log)
+
+    tokens = s["MAX_NEW_TOKENS"]
     train_args = [
         *("--actor.model_name_or_path", model),
         *("--actor.num_nodes", str(nodes), "--actor.num_gpus_per_node", str(actor_gpus)),
@@ -502,53 +594,17 @@ def plan(
         *("--train.batch_size", s["TRAIN_BATCH"]),
         *("--train.micro_batch_size", s["MICRO_TRAIN_BATCH"]),
         *("--train.num_episodes", episodes, "--train.seed", s["SEED"]),
-        *("--drpo.max_steps", max_steps, "--drpo.device", s["DEVICE"], *optimizer),
+        *("--drpo.max_steps", s["MAX_STEPS"], "--drpo.device", s["DEVICE"]),
+        *_optimizer_args(lr, s),
         *("--reward.remote_url", s["REWARD_FUNC"]),
         *("--ckpt.path", ckpt_dir, "--ckpt.load_enable", "--ckpt.save_steps", s["SAVE_STEPS"]),
         *("--ckpt.max_num", s["CKPT_MAX_NUM"], "--ckpt.output_dir", f"{run_dir}/model"),
         *("--logger.logging_steps", "1", "--logger.tensorboard_dir", f"{run_dir}/tensorboard"),
     ]
-    if s["PACKING"] == "1":
-        train_args.append("--ds.packing_samples")
-    if int(s["RING_ATTN_SIZE"]) > 1:
-        # OpenRLHF would turn packing on by itself; say so instead of running another layout
-        if s["PACKING"] != "1":
-            raise RecipeError(
-                f"RING_ATTN_SIZE={s['RING_ATTN_SIZE']} needs PACKING=1: ring attention splits "
-                "packed sequences"
-            )
-        train_args += ["--ds.ring_attn_size", s["RING_ATTN_SIZE"]]
-    if s["SAVE_HF"] == "1":
-        train_args.append("--ckpt.save_hf")
-    if eval_data:
-        train_args += ["--eval.dataset", eval_data, "--eval.steps", s["EVAL_STEPS"]]
-        train_args += ["--eval.temperature", s["TEMPERATURE"]]
-        train_args += ["--eval.n_samples_per_prompt", s["EVAL_N_SAMPLES"]]
-        if s["BEST_CKPT"] != "1":
-            train_args += ["--ckpt.best_metric_key", "none"]
-
+    train_args += _optional_args(s, eval_data)
     train_args += off_policy_flags(r, s["COLOCATE"] == "1")
-
-    exports = {"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-    if r.get("NET_IFACE"):
-        for name in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
-            exports[name] = r.get(name) or r.get("NET_IFACE")
-    # wandb logs when a key is in the environment (or WANDB=1 with a ~/.netrc login). OpenRLHF
-    # turns it on for any non-empty --logger.wandb.key and wandb then reads WANDB_API_KEY
-    # itself, so the secret never appears on a command line, in the Ray job record, or in
-    # wandb's config.
-    if r.get("WANDB_API_KEY") or env.get("WANDB", "0") == "1":
-        train_args += ["--logger.wandb.key", "from-environment"]
-        train_args += ["--logger.wandb.project", s["WANDB_PROJECT"]]
-        train_args += ["--logger.wandb.run_name", run_name]
-        if r.get("WANDB_ENTITY"):
-            train_args += ["--logger.wandb.org", r.get("WANDB_ENTITY")]
-        if r.get("WANDB_GROUP"):
-            train_args += ["--logger.wandb.group", r.get("WANDB_GROUP")]
-        # a requeued job continues the same wandb run
-        exports["WANDB_RUN_ID"] = r.get("WANDB_RUN_ID") or run_name
-        exports["WANDB_RESUME"] = r.get("WANDB_RESUME") or "allow"
-    train_args += [*method_args, *read_words(r.get("EXTRA_ARGS")), *extra]
+    logging_args, exports = _logging(r, env, s, run_name)
+    train_args += [*logging_args, *method_args, *read_words(r.get("EXTRA_ARGS")), *extra]
 
     return Plan(
         run_name=run_name,

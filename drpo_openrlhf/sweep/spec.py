@@ -8,6 +8,7 @@ import itertools
 import json
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -245,9 +246,9 @@ def _label(value: Any, where: str, problems: list[str]) -> str | None:
     return None
 
 
-def parse_sweep(data: dict[str, Any], source: Path, problems: list[str]) -> Sweep | None:
-    """The sweep described by ``data`` (a parsed file), or None when it cannot even be
-    expanded; each problem found is appended to ``problems``."""
+def _sections(data: dict[str, Any], problems: list[str]) -> dict[str, dict[str, Any]]:
+    """The file's tables, each reduced to a dict, with every unknown key reported: a typo
+    would otherwise be ignored silently."""
     for key in sorted(set(data) - TOP_KEYS):
         problems.append(f"unknown key {key!r} (known: {', '.join(sorted(TOP_KEYS))})")
     sections: dict[str, dict[str, Any]] = {}
@@ -259,11 +260,21 @@ def parse_sweep(data: dict[str, Any], source: Path, problems: list[str]) -> Swee
         for key in sorted(set(table) - keys):
             problems.append(f"[{section}]: unknown key {key!r} (known: {', '.join(sorted(keys))})")
         sections[section] = table
+    return sections
 
+
+def _sweep_name(data: dict[str, Any], problems: list[str]) -> str:
+    """The sweep's name, or ``sweep`` when it is not one a directory can carry: it names the
+    output dir."""
     name = data.get("name")
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9._-]+", name):
         problems.append(f"name must be letters, digits, '.', '_' or '-', got {name!r}")
         name = "sweep"
+    return name
+
+
+def _seeds(data: dict[str, Any], problems: list[str]) -> list[int]:
+    """The seeds, each once; empty when they are not integers >= 0, so nothing expands."""
     seeds = data.get("seeds", [0])
     if (
         not isinstance(seeds, list)
@@ -275,6 +286,76 @@ def parse_sweep(data: dict[str, Any], source: Path, problems: list[str]) -> Swee
     elif len(set(seeds)) != len(seeds):
         problems.append(f"seeds repeat: {seeds}")
         seeds = list(dict.fromkeys(seeds))
+    return seeds
+
+
+# one grid point of a [[methods]] entry: (method, params, flags, label)
+_Variant = tuple[str, tuple[tuple[str, float], ...], tuple[str, ...], str | None]
+
+
+def _method_variants(entry: Any, where: str, problems: list[str]) -> list[_Variant]:
+    """One ``[[methods]]`` entry's valid grid points; a point that cannot run is reported and
+    left out, so that the rest still expand."""
+    if not isinstance(entry, dict):
+        problems.append(f"{where} must be a table")
+        return []
+    for key in sorted(set(entry) - METHOD_KEYS):
+        problems.append(f"{where}: unknown key {key!r} (known: {', '.join(sorted(METHOD_KEYS))})")
+    method = entry.get("method")
+    if method not in METHOD_NAMES:
+        problems.append(f"{where}: unknown method {method!r} (known: {', '.join(METHOD_NAMES)})")
+        return []
+    where = f"{where} ({method})"
+    flags = _strings(entry.get("flags", []), f"{where} flags", problems)
+    label = _label(entry.get("label"), where, problems)
+    variants: list[_Variant] = []
+    for params in _combinations(entry, where, problems):
+        if method == "drpo" and math.isinf(params.get("lambda", 0.0)):
+            method_here, params = "disco", {}  # lambda = inf is DisCO
+        else:
+            method_here = method
+        label_here = None if method_here == "disco" else label
+        problem = _method_problem(method_here, params)
+        if problem:
+            problems.append(f"{where}: {problem}")
+            continue
+        variants.append((method_here, tuple(params.items()), flags, label_here))
+    return variants
+
+
+def _seeded_runs(
+    method: str,
+    params: tuple[tuple[str, float], ...],
+    seeds: Sequence[int | None],
+    inputs: tuple[str, str, tuple[str, ...]],
+    flags: tuple[str, ...] = (),
+    label: str | None = None,
+) -> list[Run]:
+    """One run per seed, with ``{seed}`` in the base model, train data and eval sets
+    (``inputs``) filled in: per-seed inputs give each seed its own files."""
+    base_model, train_data, eval_data = inputs
+    return [
+        Run(
+            run_name(label or method, params, seed),
+            method,
+            params,
+            seed,
+            _expand(base_model, seed),
+            _expand(train_data, seed),
+            tuple(_expand(d, seed) for d in eval_data),
+            flags,
+            label,
+        )
+        for seed in seeds
+    ]
+
+
+def parse_sweep(data: dict[str, Any], source: Path, problems: list[str]) -> Sweep | None:
+    """The sweep described by ``data`` (a parsed file), or None when it cannot even be
+    expanded; each problem found is appended to ``problems``."""
+    sections = _sections(data, problems)
+    name = _sweep_name(data, problems)
+    seeds = _seeds(data, problems)
 
     train, evaluation = sections["train"], sections["eval"]
     base_model, train_data = train.get("base_model"), train.get("data")
@@ -295,65 +376,15 @@ def parse_sweep(data: dict[str, Any], source: Path, problems: list[str]) -> Swee
     if not isinstance(base_model, str) or not isinstance(train_data, str) or not seeds:
         return None
 
+    inputs = (base_model, train_data, eval_data)
     per_seed = any(SEED in text for text in (base_model, train_data, *eval_data))
-    runs: list[Run] = []
     base_seeds: list[int | None] = list(seeds) if per_seed else [None]
-    for seed in base_seeds:
-        runs.append(
-            Run(
-                run_name("base", (), seed),
-                "base",
-                (),
-                seed,
-                _expand(base_model, seed),
-                _expand(train_data, seed),
-                tuple(_expand(d, seed) for d in eval_data),
-                (),
-            )
-        )
+    runs = _seeded_runs("base", (), base_seeds, inputs)
     for index, entry in enumerate(methods, 1):
-        where = f"[[methods]] #{index}"
-        if not isinstance(entry, dict):
-            problems.append(f"{where} must be a table")
-            continue
-        for key in sorted(set(entry) - METHOD_KEYS):
-            problems.append(
-                f"{where}: unknown key {key!r} (known: {', '.join(sorted(METHOD_KEYS))})"
-            )
-        method = entry.get("method")
-        if method not in METHOD_NAMES:
-            problems.append(
-                f"{where}: unknown method {method!r} (known: {', '.join(METHOD_NAMES)})"
-            )
-            continue
-        where = f"{where} ({method})"
-        flags = _strings(entry.get("flags", []), f"{where} flags", problems)
-        label = _label(entry.get("label"), where, problems)
-        for params in _combinations(entry, where, problems):
-            if method == "drpo" and math.isinf(params.get("lambda", 0.0)):
-                method_here, params = "disco", {}  # lambda = inf is DisCO
-            else:
-                method_here = method
-            label_here = None if method_here == "disco" else label
-            problem = _method_problem(method_here, params)
-            if problem:
-                problems.append(f"{where}: {problem}")
-                continue
-            ordered = tuple(params.items())
-            for seed in seeds:
-                runs.append(
-                    Run(
-                        run_name(label_here or method_here, ordered, seed),
-                        method_here,
-                        ordered,
-                        seed,
-                        _expand(base_model, seed),
-                        _expand(train_data, seed),
-                        tuple(_expand(d, seed) for d in eval_data),
-                        flags,
-                        label_here,
-                    )
-                )
+        for method, params, flags, label in _method_variants(
+            entry, f"[[methods]] #{index}", problems
+        ):
+            runs += _seeded_runs(method, params, seeds, inputs, flags, label)
     names = [r.name for r in runs]
     for duplicate in sorted({n for n in names if names.count(n) > 1}):
         problems.append(f"run {duplicate} appears {names.count(duplicate)} times in the grid")
