@@ -192,7 +192,7 @@ def test_env_overrides_and_extra_flags(harness: Harness) -> None:
         RUN_NAME="sweep-a",
         WANDB_API_KEY="super-secret",
         WANDB_ENTITY="lab",
-        EXTRA_ARGS="--rollout.top_p 0.95",
+        EXTRA_ARGS="--drpo.allow_engine_difference top_p --rollout.top_p 0.95",
     )
     assert run.returncode == 0, run.output
     args = run.args()
@@ -210,6 +210,7 @@ def test_env_overrides_and_extra_flags(harness: Harness) -> None:
     assert args["logger.wandb.run_name"] == "sweep-a"
     assert (args["rollout.top_p"], args["train.seed"]) == (0.95, 7)  # appended last: they win
     assert run.train_args[-4:] == ["--rollout.top_p", "0.95", "--train.seed", "7"]
+    assert args["drpo.allow_engine_difference"] == ("top_p",)  # DRPO refuses it otherwise
     assert all("--num-gpus=4" in c["argv"] for c in run.of("ray", "start"))
     # The wandb key reaches the Ray processes through their environment only.
     assert "super-secret" not in json.dumps(run.submit)
