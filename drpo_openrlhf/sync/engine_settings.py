@@ -44,7 +44,7 @@ AMONG_ENGINES: dict[str, str] = {
 SETTINGS = (*AGAINST_ACTOR, *AMONG_ENGINES)
 # Checked before launch from the flags (runtime/options.py): what the engines are asked to
 # sample from, against the full softmax the actor scores.
-SAMPLING: dict[str, str] = {"top_p": "--rollout.top_p below 1 under DRPO"}
+SAMPLING = ("top_p",)
 ALLOWABLE = (*SETTINGS, *SAMPLING)
 
 
