@@ -191,16 +191,20 @@ def test_a_process_on_its_way_out_lets_its_exit_handlers_finish() -> None:
 def test_ctrl_c_during_the_end_takes_effect_once_it_is_done() -> None:
     process = run_python(
         """
-        import os, signal, subprocess, sys, threading
+        import os, signal, subprocess, sys
         from drpo_openrlhf import process_tree
         token = process_tree.claim()
-        deaf = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        # deaf to SIGTERM, it answers end_carrying's with a Ctrl-C to this process: the
+        # SIGINT comes while the end is under way, whatever the machine's load
+        deaf = (
+            "import os, signal, time; signal.signal(signal.SIGTERM, "
+            "lambda *_: os.kill(os.getppid(), signal.SIGINT)); "
+        )
         child = subprocess.Popen(
             [sys.executable, "-c", deaf + "print(flush=True); time.sleep(60)"],
             stdout=subprocess.PIPE,
         )
         child.stdout.readline()
-        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
         try:
             process_tree.end_carrying(token, grace_s=1)
         except KeyboardInterrupt:
