@@ -75,9 +75,18 @@ def _setting_names(text: str) -> tuple[str, ...]:
 
 
 def add_drpo_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``--drpo.*`` flags, one per ``DRPOConfig`` field, with its defaults."""
-    d = DRPOConfig()
+    """The ``--drpo.*`` flags (the objective's defaults are ``DRPOConfig``'s), in the order
+    a user reads them: the objective, the rewards, when a run stops, its resources."""
     g = parser.add_argument_group("DRPO (drpo_openrlhf)")
+    d = DRPOConfig()
+    _add_objective_arguments(g, d)
+    _add_reward_arguments(g, d)
+    _add_guard_arguments(g)
+    _add_resource_arguments(g)
+
+
+def _add_objective_arguments(g: argparse._ArgumentGroup, d: DRPOConfig) -> None:
+    """The objective, its trust region and its per-prompt variants."""
     g.add_argument(
         "--drpo.lam",
         type=_lambda,
@@ -115,6 +124,33 @@ def add_drpo_arguments(parser: argparse.ArgumentParser) -> None:
         help="KL over the whole mini-batch (exact, Algorithm 1) or per micro-step",
     )
     g.add_argument(
+        "--drpo.keep_all_wrong",
+        action="store_true",
+        help="all-wrong prompts keep their negative term",
+    )
+    g.add_argument(
+        "--drpo.all_correct_length_signal",
+        action="store_true",
+        help="zero-mean length signal w_hat - 1/|S+| on all-correct prompts",
+    )
+    g.add_argument(
+        "--drpo.lambda_by_pass_rate",
+        action="store_true",
+        help="per-prompt lambda / pass_rate (gentler length pressure on hard prompts)",
+    )
+    g.add_argument(
+        "--drpo.pass_rate_prior",
+        type=float,
+        default=d.pass_rate_prior,
+        help="with --drpo.lambda_by_pass_rate: shrink each prompt's pass rate towards 1/2 by "
+        "this many pseudo-samples, so one sample's luck moves lambda less (default "
+        "%(default)s: the group's own rate; docs/algorithm.md)",
+    )
+
+
+def _add_reward_arguments(g: argparse._ArgumentGroup, d: DRPOConfig) -> None:
+    """What ranks the correct responses and how answers are read."""
+    g.add_argument(
         "--drpo.length_reward",
         choices=LENGTH_REWARDS,
         default=d.length_reward,
@@ -145,16 +181,10 @@ def add_drpo_arguments(parser: argparse.ArgumentParser) -> None:
         "contract) or whole where a response has none ('plain'); 'auto' decides from the "
         "model's chat template, and baselines use it too (default %(default)s; docs/rewards.md)",
     )
-    g.add_argument(
-        "--drpo.keep_all_wrong",
-        action="store_true",
-        help="all-wrong prompts keep their negative term",
-    )
-    g.add_argument(
-        "--drpo.all_correct_length_signal",
-        action="store_true",
-        help="zero-mean length signal w_hat - 1/|S+| on all-correct prompts",
-    )
+
+
+def _add_guard_arguments(g: argparse._ArgumentGroup) -> None:
+    """When a run stops: its length, its learning signal and the weight-sync guards."""
     g.add_argument(
         "--drpo.max_steps",
         type=int,
@@ -214,6 +244,10 @@ def add_drpo_arguments(parser: argparse.ArgumentParser) -> None:
         f"cache; the run still logs each difference ({', '.join(engine_settings.ALLOWABLE)}; "
         "docs/reliability.md)",
     )
+
+
+def _add_resource_arguments(g: argparse._ArgumentGroup) -> None:
+    """Memory, device and dtype."""
     g.add_argument(
         "--drpo.logprob_chunk_tokens",
         type=int,
@@ -244,19 +278,6 @@ def add_drpo_arguments(parser: argparse.ArgumentParser) -> None:
         help="a CPU run's dtype for actor, reference and vLLM engines (a GPU run is bf16 as "
         "--ds.param_dtype says); 'auto': bf16 where the CPU has bf16 instructions (AVX512_BF16, "
         "AMX), else fp32, 40-60x faster there (default %(default)s; docs/cpu.md)",
-    )
-    g.add_argument(
-        "--drpo.lambda_by_pass_rate",
-        action="store_true",
-        help="per-prompt lambda / pass_rate (gentler length pressure on hard prompts)",
-    )
-    g.add_argument(
-        "--drpo.pass_rate_prior",
-        type=float,
-        default=d.pass_rate_prior,
-        help="with --drpo.lambda_by_pass_rate: shrink each prompt's pass rate towards 1/2 by "
-        "this many pseudo-samples, so one sample's luck moves lambda less (default "
-        "%(default)s: the group's own rate; docs/algorithm.md)",
     )
 
 
