@@ -3,12 +3,15 @@ from collections import Counter
 import pytest
 
 from drpo_openrlhf.update.layout import (
+    ONE_PASS,
+    SCORES_PASS,
     UNTRAINED,
     Layout,
     LayoutError,
     assign_group_steps,
     deal_rollout,
     pack_group_microsteps,
+    plan_dynamic_steps,
     plan_from_slots,
     plan_optimizer_steps,
 )
@@ -216,3 +219,111 @@ def test_given_lengths_each_ranks_share_of_a_step_is_cut_longest_first():
     ]
     assert dealt == [[(6, 0), (4, 0), (2, 1), (0, 1)], [(1, 0), (3, 0), (5, 1), (7, 1)]]
     assert plan_from_slots([s for _, s in dealt[0]], layout) == [[[0, 1], [2, 3]]]
+
+
+def _first_fit_count(tokens: list[int], budget: int) -> int:
+    """Micro-batches first fit needs (what OpenRLHF's ``get_minimum_num_micro_batch_size``
+    computes), for the dynamic planner's tests."""
+    loads: list[int] = []
+    for t in tokens:
+        for j, load in enumerate(loads):
+            if load + t <= budget:
+                loads[j] += t
+                break
+        else:
+            loads.append(t)
+    return len(loads)
+
+
+def _round_robin(tokens: list[int], count: int) -> list[list[int]]:
+    return [list(range(j, len(tokens), count)) for j in range(count)]
+
+
+def _dynamic(everyone, rank, layout, *, max_tokens, microstep=False, partial=False):
+    return plan_dynamic_steps(
+        everyone,
+        rank,
+        layout,
+        max_tokens=max_tokens,
+        pack_microsteps=microstep,
+        allow_partial=partial,
+        micro_batches_needed=_first_fit_count,
+        balanced_parts=_round_robin,
+    )
+
+
+# two ranks, groups of 2, 2 groups per optimizer step: OpenRLHF's dynamic batching spreads a
+# group's responses over the ranks
+DYNAMIC = Layout(
+    world_size=2, n_samples_per_prompt=2, rollout_batch_size=4, train_batch_size=4,
+    micro_batch_size=1, dynamic_batching=True,
+)  # fmt: skip
+EVERYONE = [
+    [(0, 30), (1, 10), (2, 20), (3, 5)],  # rank 0: (group, tokens) per response
+    [(0, 20), (1, 25), (3, 30), (2, 6)],
+]
+
+
+def test_dynamic_plan_packs_whole_groups_into_one_pass_micro_steps_where_they_fit():
+    plans = [_dynamic(EVERYONE, r, DYNAMIC, max_tokens=40, microstep=True) for r in range(2)]
+    assert [modes for _, modes in plans] == [[ONE_PASS, ONE_PASS]] * 2
+    # every global micro-step (micro-batch j of both ranks) holds whole groups in budget
+    for k in range(2):
+        assert len(plans[0][0][k]) == len(plans[1][0][k])
+        for j in range(len(plans[0][0][k])):
+            held = [EVERYONE[r][i] for r in range(2) for i in plans[r][0][k][j]]
+            assert all(n == 2 for n in Counter(g for g, _ in held).values()), held
+            for r in range(2):
+                assert sum(EVERYONE[r][i][1] for i in plans[r][0][k][j]) <= 40
+    # steps take groups in id order: 0 and 1, then 2 and 3
+    assert sorted(EVERYONE[0][i][0] for mb in plans[0][0][0] for i in mb) == [0, 1]
+    assert sorted(EVERYONE[0][i][0] for mb in plans[0][0][1] for i in mb) == [2, 3]
+
+
+def test_dynamic_plan_gives_every_rank_the_busiest_ranks_micro_batch_count():
+    """Under the mini-batch KL each rank cuts its share of a step into as many micro-batches
+    as the rank that needs most: step 0's rank 1 holds 20 + 25 tokens under a budget of 40
+    (two), though rank 0's 30 + 10 fit in one; step 1 fits in one on both."""
+    plans = [_dynamic(EVERYONE, r, DYNAMIC, max_tokens=40) for r in range(2)]
+    for plan, modes in plans:
+        assert modes == [SCORES_PASS, SCORES_PASS]
+        assert [len(step) for step in plan] == [2, 1]
+    assert plans[0][0][0] == [[0], [1]]
+    assert sorted(i for step in plans[1][0] for mb in step for i in mb) == [0, 1, 2, 3]
+
+
+def test_a_group_over_the_budget_falls_back_to_the_scores_pass():
+    """Under the per-micro-step KL, a group no micro-step can hold (rank 1's 45 tokens of
+    group 1 over a budget of 40) cannot run in one pass: the step runs a scores pass."""
+    everyone = [[(0, 10), (1, 10)], [(0, 10), (1, 45)]]
+    layout = Layout(
+        world_size=2, n_samples_per_prompt=2, rollout_batch_size=2, train_batch_size=4,
+        micro_batch_size=1, dynamic_batching=True,
+    )  # fmt: skip
+    plan, modes = _dynamic(everyone, 0, layout, max_tokens=40, microstep=True)
+    assert modes == [SCORES_PASS] and [len(step) for step in plan] == [2]
+
+
+def test_a_dynamic_step_a_rank_cannot_fill_raises_on_every_rank():
+    """Rank 1 holds one response of step 0 but rank 0 needs two micro-batches for its three:
+    both ranks raise (neither goes on to a forward the other never runs)."""
+    layout = Layout(
+        world_size=2, n_samples_per_prompt=4, rollout_batch_size=1, train_batch_size=4,
+        micro_batch_size=1, dynamic_batching=True,
+    )  # fmt: skip
+    everyone = [[(0, 30), (0, 30), (0, 30)], [(0, 5)]]
+    for rank in range(2):
+        with pytest.raises(LayoutError, match=r"rank\(s\) \[1\] fewer responses than the 2"):
+            _dynamic(everyone, rank, layout, max_tokens=64)
+
+
+def test_a_short_dynamic_rollout_plans_only_its_whole_steps():
+    everyone = [[(0, 3), (1, 3), (2, 3)], [(0, 3), (1, 3)]]  # group 2 lost a response
+    layout = Layout(
+        world_size=2, n_samples_per_prompt=2, rollout_batch_size=4, train_batch_size=4,
+        micro_batch_size=1, dynamic_batching=True,
+    )  # fmt: skip
+    with pytest.raises(LayoutError):
+        _dynamic(everyone, 0, layout, max_tokens=64)
+    plan, modes = _dynamic(everyone, 0, layout, max_tokens=64, partial=True)
+    assert modes == [SCORES_PASS] and sorted(i for mb in plan[0] for i in mb) == [0, 1]

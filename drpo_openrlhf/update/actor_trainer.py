@@ -82,13 +82,11 @@ from drpo_openrlhf.update.keys import GROUP_KEY, SLOT_KEY, correctness
 from drpo_openrlhf.update.layout import (
     ONE_PASS,
     PENALTY_PASS,
-    SCORES_PASS,
     Layout,
     LayoutError,
-    assign_group_steps,
     fixed_batch_mode,
     layout_from_args,
-    pack_group_microsteps,
+    plan_dynamic_steps,
     plan_from_slots,
 )
 
@@ -243,60 +241,28 @@ class DRPOActorTrainer(ActorPPOTrainer):
     def _plan_dynamic(
         self, group_ids: list[int], lengths: list[int], partial: bool
     ) -> tuple[list[list[list[int]]], list[str]]:
-        """Dynamic batching: steps of whole groups over all ranks, the same number of
-        micro-batches on every rank (ZeRO's collectives need equal forward counts), and
-        whether each step runs in one pass.
-
-        With ``kl_estimate="microstep"`` a step's groups are packed into global micro-steps
-        under ``--train.max_tokens_per_gpu`` (one pass) when ``pack_group_microsteps`` can;
-        otherwise each rank's share is cut into token-balanced micro-batches by OpenRLHF's
-        own functions and the step runs a scores pass."""
-        layout = self.drpo_layout
-        world = layout.world_size
-        everyone: list[list[tuple[int, int]]] = [[] for _ in range(world)]
+        """Dynamic batching: every rank's groups and lengths gathered, then the same plan on
+        each (``plan_dynamic_steps``), cut with OpenRLHF's own token-balancing functions."""
+        everyone: list[list[tuple[int, int]]] = [[] for _ in range(self.drpo_layout.world_size)]
         dist.all_gather_object(
             everyone, list(zip(group_ids, lengths, strict=True)), group=self.drpo_group
         )
-        step_of = assign_group_steps(
-            [g for pairs in everyone for g, _ in pairs],
-            layout.n_samples_per_prompt,
-            layout.train_batch_size // layout.n_samples_per_prompt,
-            allow_partial=partial,
-        )
-        shares = {g: [0] * world for g in step_of}  # tokens of each group on each rank
-        for rank, pairs in enumerate(everyone):
-            for g, length in pairs:
-                if g in shares:
-                    shares[g][rank] += length
         # a ring or tensor-parallel group shares its micro-batch, as in OpenRLHF's budget
         shared = self.strategy.ring_attn_size * self.strategy.ds_tensor_parallel_size
-        max_tokens = self.args.train.max_tokens_per_gpu * shared
-        plan, modes = [], []
-        for k in range(len(set(step_of.values()))):
-            mine = [i for i, g in enumerate(group_ids) if step_of.get(g) == k]
-            microsteps = None
-            if self.drpo.kl_estimate == "microstep":
-                step_shares = {g: shares[g] for g, step in step_of.items() if step == k}
-                microsteps = pack_group_microsteps(step_shares, max_tokens)
-            if microsteps is not None:
-                where = {g: j for j, groups in enumerate(microsteps) for g in groups}
-                parts = [
-                    [i for i in mine if where[group_ids[i]] == j] for j in range(len(microsteps))
-                ]
-                plan.append(parts)
-                modes.append(ONE_PASS)
-                continue
-            needed = get_minimum_num_micro_batch_size([lengths[i] for i in mine], max_tokens, 1, 1)
-            count = self._all_reduce(needed, dist.ReduceOp.MAX)
-            if len(mine) < count:
-                raise LayoutError(
-                    f"optimizer step {k} gives this rank {len(mine)} responses but the ranks "
-                    f"need {count} micro-batches: raise --train.max_tokens_per_gpu"
-                )
-            parts = get_seqlen_balanced_partitions([lengths[i] for i in mine], count, False)
-            plan.append([[mine[j] for j in part] for part in parts])
-            modes.append(SCORES_PASS)
-        return plan, modes
+        return plan_dynamic_steps(
+            everyone,
+            dist.get_rank(self.drpo_group),
+            self.drpo_layout,
+            max_tokens=self.args.train.max_tokens_per_gpu * shared,
+            pack_microsteps=self.drpo.kl_estimate == "microstep",
+            allow_partial=partial,
+            micro_batches_needed=lambda tokens, budget: get_minimum_num_micro_batch_size(
+                tokens, budget, 1, 1
+            ),
+            balanced_parts=lambda tokens, count: get_seqlen_balanced_partitions(
+                tokens, count, False
+            ),
+        )
 
     def _device(self) -> torch.device:
         return next(self.actor.model.parameters()).device
@@ -386,6 +352,16 @@ class DRPOActorTrainer(ActorPPOTrainer):
             offset = end
         return gathered, score_coef, metrics
 
+    def _microstep(
+        self, batch, j: int, counts: list[int]
+    ) -> tuple[ResponseScalars, ResponseScalars, slice]:
+        """Micro-step ``j``: this rank's forward, every rank's scalars of it gathered (whole
+        groups checked), and where this rank's responses sit among them."""
+        r = self._scalars(batch, j, use_old=False)
+        gathered, offset = all_gather_scalars(r, counts, self.drpo_group)
+        self._check_whole(gathered, f"micro-step {j}")
+        return r, gathered, slice(offset, offset + r.score.numel())
+
     def _one_pass_backward(
         self, batches: list
     ) -> tuple[ResponseScalars, Tensor, dict[str, Tensor]]:
@@ -394,14 +370,11 @@ class DRPOActorTrainer(ActorPPOTrainer):
         counts = self._microstep_counts(batches)
         parts = []
         for j, batch in enumerate(batches):
-            r = self._scalars(batch, j, use_old=False)
-            gathered, offset = all_gather_scalars(r, counts[j], self.drpo_group)
-            self._check_whole(gathered, f"micro-step {j}")
+            r, gathered, mine = self._microstep(batch, j, counts[j])
             score_coef, kl_coef = microstep_coefficients(
                 gathered, self.drpo, num_groups, len(batches)
             )
-            end = offset + r.score.numel()
-            self._accumulate(r, score_coef[offset:end], kl_coef[offset:end], j == len(batches) - 1)
+            self._accumulate(r, score_coef[mine], kl_coef[mine], j == len(batches) - 1)
             parts.append(gathered)
         gathered = ResponseScalars.concat(parts)
         score_coef, _, metrics = loss_coefficients(gathered, self.drpo)
@@ -412,36 +385,36 @@ class DRPOActorTrainer(ActorPPOTrainer):
     ) -> tuple[ResponseScalars, Tensor, dict[str, Tensor], bool]:
         """Mini-batch KL with whole groups per micro-step: the score terms in one pass; the
         penalty in a second pass only if the mini-batch KL exceeds ``delta``. Returns also
-        whether the second pass ran."""
+        whether the second pass ran. The last micro-step's backward waits for that decision:
+        it ends the optimizer step unless the penalty pass follows."""
         num_groups = self.drpo_layout.train_batch_size // self.drpo_layout.n_samples_per_prompt
-        parts, where, penalty = [], [], False
-        count = len(batches)
         counts = self._microstep_counts(batches)
-        for j, batch in enumerate(batches):
-            r = self._scalars(batch, j, use_old=False)
-            gathered, offset = all_gather_scalars(r, counts[j], self.drpo_group)
-            self._check_whole(gathered, f"micro-step {j}")
+        parts: list[ResponseScalars] = []
+        mine_of: list[slice] = []  # this rank's responses among the whole step's
+
+        def score_backward(r, gathered, mine: slice, last: bool) -> None:
+            score_coef = group_score_coefficients(gathered, self.drpo, num_groups)[mine]
+            self._accumulate(r, score_coef, torch.zeros_like(score_coef), last)
+
+        def forward(j: int) -> tuple[ResponseScalars, ResponseScalars, slice]:
+            r, gathered, mine = self._microstep(batches[j], j, counts[j])
             base = sum(p.score.numel() for p in parts)
-            where.append((base + offset, base + offset + r.score.numel()))
+            mine_of.append(slice(base + mine.start, base + mine.stop))
             parts.append(gathered)
-            if j == count - 1:  # all scalars known: does the penalty act on this step?
-                everyone = ResponseScalars.concat(parts)
-                score_all, kl_coef, metrics = loss_coefficients(everyone, self.drpo)
-                penalty = bool((kl_coef != 0).any())
-            score_coef = group_score_coefficients(gathered, self.drpo, num_groups)
-            start, end = offset, offset + r.score.numel()
-            self._accumulate(
-                r,
-                score_coef[start:end],
-                torch.zeros_like(score_coef[start:end]),
-                j == count - 1 and not penalty,
-            )
+            return r, gathered, mine
+
+        for j in range(len(batches) - 1):
+            score_backward(*forward(j), last=False)
+        r, gathered, mine = forward(len(batches) - 1)
+        everyone = ResponseScalars.concat(parts)
+        score_all, kl_coef, metrics = loss_coefficients(everyone, self.drpo)
+        penalty = bool((kl_coef != 0).any())
+        score_backward(r, gathered, mine, last=not penalty)
         if penalty:
             for j, batch in enumerate(batches):
                 r = self._scalars(batch, j, use_old=False)
-                start, end = where[j]
-                kl = kl_coef[start:end]
-                self._accumulate(r, torch.zeros_like(kl), kl, j == count - 1)
+                kl = kl_coef[mine_of[j]]
+                self._accumulate(r, torch.zeros_like(kl), kl, j == len(batches) - 1)
         return everyone, score_all, metrics, penalty
 
     def _accumulate(

@@ -11,7 +11,7 @@ Groups may still be cut across micro-batches: the exact split of the gradient
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from drpo_openrlhf.flags import flag
@@ -263,6 +263,76 @@ def pack_group_microsteps(
     if any(used == 0 for load in loads for used in load):
         return None
     return steps
+
+
+def plan_dynamic_steps(
+    everyone: Sequence[Sequence[tuple[int, int]]],
+    rank: int,
+    layout: Layout,
+    *,
+    max_tokens: int,
+    pack_microsteps: bool,
+    allow_partial: bool,
+    micro_batches_needed: Callable[[list[int], int], int],
+    balanced_parts: Callable[[list[int], int], list[list[int]]],
+) -> tuple[list[list[list[int]]], list[str]]:
+    """One rank's plan under dynamic batching, from every rank's ``(group id, tokens)`` per
+    response (``everyone[r]``, in rank ``r``'s order): ``steps[k][j]`` lists this rank's items
+    of micro-batch ``j`` of optimizer step ``k``, and each step's mode.
+
+    Steps hold whole groups over all ranks (``assign_group_steps``) and every rank the same
+    number of micro-batches (ZeRO's collectives need equal forward counts). With
+    ``pack_microsteps`` (the per-micro-step KL) a step's groups are packed into global
+    micro-steps under ``max_tokens`` (``pack_group_microsteps``: one pass) where they fit;
+    otherwise each rank's share is cut into the micro-batch count the busiest rank needs
+    (``micro_batches_needed``), balanced by tokens (``balanced_parts``, OpenRLHF's
+    functions in production), and the step runs a scores pass. Every rank computes the
+    same plan from the same ``everyone``, so a step no rank can run raises on all of them."""
+    world = layout.world_size
+    step_of = assign_group_steps(
+        [g for pairs in everyone for g, _ in pairs],
+        layout.n_samples_per_prompt,
+        layout.train_batch_size // layout.n_samples_per_prompt,
+        allow_partial=allow_partial,
+    )
+    shares = {g: [0] * world for g in step_of}  # tokens of each group on each rank
+    for r, pairs in enumerate(everyone):
+        for g, length in pairs:
+            if g in shares:
+                shares[g][r] += length
+    group_ids = [g for g, _ in everyone[rank]]
+    lengths = [length for _, length in everyone[rank]]
+    plan, modes = [], []
+    for k in range(len(set(step_of.values()))):
+        members = [
+            [i for i, (g, _) in enumerate(pairs) if step_of.get(g) == k] for pairs in everyone
+        ]
+        mine = members[rank]
+        if pack_microsteps:
+            microsteps = pack_group_microsteps(
+                {g: shares[g] for g, step in step_of.items() if step == k}, max_tokens
+            )
+            if microsteps is not None:
+                where = {g: j for j, groups in enumerate(microsteps) for g in groups}
+                plan.append(
+                    [[i for i in mine if where[group_ids[i]] == j] for j in range(len(microsteps))]
+                )
+                modes.append(ONE_PASS)
+                continue
+        count = max(
+            micro_batches_needed([everyone[r][i][1] for i in members[r]], max_tokens)
+            for r in range(world)
+        )
+        short = [r for r in range(world) if len(members[r]) < count]
+        if short:
+            raise LayoutError(
+                f"optimizer step {k} gives rank(s) {short} fewer responses than the "
+                f"{count} micro-batches the busiest rank needs: raise --train.max_tokens_per_gpu"
+            )
+        parts = balanced_parts([lengths[i] for i in mine], count)
+        plan.append([[mine[j] for j in part] for part in parts])
+        modes.append(SCORES_PASS)
+    return plan, modes
 
 
 UNTRAINED = -1  # slot of a response no optimizer step trains on (short last rollout)
