@@ -12,9 +12,10 @@ or the tests' ``stand_ins``, whose ``PYTHONPATH`` the ranks' processes inherit).
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from unittest import mock
 
@@ -26,6 +27,36 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# What every rank process of the multi-rank tests imports; on CPU they are imported once, in
+# a forkserver that the ranks fork from (about 10 CPU-s per process of torch, DeepSpeed,
+# transformers, OpenRLHF and vLLM, which OpenRLHF's actor module imports)
+RANK_IMPORTS = ["torch", "deepspeed", "transformers", "drpo_openrlhf.update.actor_trainer"]
+
+
+def spawn_ranks(fn: Callable[..., None], args: tuple, nprocs: int, device: str = "cpu") -> None:
+    """``fn(rank, *args)`` in ``nprocs`` new processes, joined (``torch.multiprocessing.spawn``'s
+    contract). On CPU they fork from a forkserver that has imported ``RANK_IMPORTS`` and
+    touched nothing else, so a rank starts in a fraction of a second instead of importing
+    them again; each runs under the caller's environment as it is now (the forkserver keeps
+    the one of its start). CUDA ranks spawn fresh, as CUDA does not survive a fork."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    if device != "cpu":
+        mp.spawn(fn, args=args, nprocs=nprocs, join=True)
+        return
+    multiprocessing.set_forkserver_preload(RANK_IMPORTS)
+    target = functools.partial(_in_environ, dict(os.environ), fn)
+    mp.start_processes(target, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+
+
+def _in_environ(environ: dict[str, str], fn: Callable[..., None], rank: int, *args) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    fn(rank, *args)
 
 
 def set_rank_env(rank: int, world: int, port: int, device: str = "cpu") -> None:

@@ -351,9 +351,7 @@ def run_rank(rank: int, world: int, port: int, cases: list[Case], out_dir: str) 
 def run_cases(cases: dict[int, list[Case]], out_dirs, prefix: str) -> dict:
     """Every case on its world of gloo ranks (one spawn per world size); results by
     ``(world, case)``. ``out_dirs`` is pytest's ``tmp_path_factory``."""
-    import torch.multiprocessing as mp
-
-    from drpo_openrlhf.testing import free_port
+    from drpo_openrlhf.testing import free_port, spawn_ranks
 
     results = {}
     for world, world_cases in sorted(cases.items()):
@@ -363,7 +361,7 @@ def run_cases(cases: dict[int, list[Case]], out_dirs, prefix: str) -> dict:
             continue  # one GPU per rank: the tests of this world skip (``result``)
         out = out_dirs.mktemp(f"{prefix}{world}")
         args = (world, free_port(), world_cases, str(out))
-        mp.spawn(run_rank, args=args, nprocs=world, join=True)
+        spawn_ranks(run_rank, args, world, DEVICE)
         for case in world_cases:
             results[world, case] = torch.load(out / f"{case.name}.pt")
     return results

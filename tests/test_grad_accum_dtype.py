@@ -23,9 +23,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from drpo_openrlhf.testing import free_port
+from drpo_openrlhf.testing import free_port, spawn_ranks
 
 MICRO, STEPS = 4, 8
 PROMPT, RESPONSE, VOCAB = 6, 24, 48
@@ -134,7 +133,7 @@ def relative_error(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> dict:
     out = str(tmp_path_factory.mktemp("grad_accum") / "grads.pt")
-    mp.spawn(run_engines, args=(free_port(), out), nprocs=1, join=True)
+    spawn_ranks(run_engines, (free_port(), out), 1)
     grads = torch.load(out)
     refs = references()
     errors = {
@@ -217,7 +216,7 @@ def test_zero1_sleep_with_fp32_accumulation_is_refused_as_deepspeed_cannot_offlo
     from drpo_openrlhf import train
 
     out = str(tmp_path / "optimizers.pt")
-    mp.spawn(zero1_optimizers, args=(free_port(), out), nprocs=1, join=True)
+    spawn_ranks(zero1_optimizers, (free_port(), out), 1)
     found = torch.load(out)
     assert found == {"fp32": ("BF16_Optimizer", False), "bf16": ("DeepSpeedZeroOptimizer", True)}
     base = [

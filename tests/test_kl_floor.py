@@ -244,10 +244,8 @@ def run_rank(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
-    import torch.multiprocessing as mp
-
     out = tmp_path_factory.mktemp("kl_floor")
-    mp.spawn(run_rank, args=(testing.free_port(), str(out)), nprocs=1, join=True)
+    testing.spawn_ranks(run_rank, (testing.free_port(), str(out)), 1)
     return torch.load(out / "results.pt")
 
 

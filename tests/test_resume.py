@@ -7,11 +7,10 @@ from dataclasses import asdict
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from drpo_actor_harness import Case, drpo_config, openrlhf_args, rollout, tiny_model
 
 from drpo_openrlhf.algo import DRPOConfig
-from drpo_openrlhf.testing import free_port
+from drpo_openrlhf.testing import free_port, spawn_ranks
 
 # the spawned worker imports this module without conftest: OpenRLHF is imported lazily
 
@@ -93,9 +92,7 @@ def test_resume_continues_like_an_uninterrupted_run(tmp_path):
     from drpo_openrlhf.runtime import ray_actors
 
     out = tmp_path / "result.pt"
-    mp.spawn(
-        resume_worker, args=(free_port(), str(tmp_path / "ckpt"), str(out)), nprocs=1, join=True
-    )
+    spawn_ranks(resume_worker, (free_port(), str(tmp_path / "ckpt"), str(out)), 1)
     result = torch.load(out, weights_only=False)
     for a, b in zip(result["uninterrupted"], result["resumed"], strict=True):
         assert torch.equal(a, b)

@@ -4,9 +4,8 @@ DeepSpeed's own ``GatheredParameters`` returned uninitialised memory in about 2%
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from drpo_openrlhf.testing import free_port
+from drpo_openrlhf.testing import free_port, spawn_ranks
 
 GATHERS = 300  # at a 2% failure rate per gather, a racy gather passes this 0.2% of the time
 
@@ -29,7 +28,7 @@ def test_zero3_weights_read_back_whole_every_time(tmp_path):
     from drpo_actor_harness import tiny_model
 
     out = str(tmp_path / "gathers.pt")
-    mp.spawn(gather_repeatedly, args=(2, free_port(), out), nprocs=2, join=True)
+    spawn_ranks(gather_repeatedly, (2, free_port(), out), 2)
     expected = [p.detach().double() for p in tiny_model().parameters()]
     gathers = torch.load(out)
     assert len(gathers) == GATHERS
