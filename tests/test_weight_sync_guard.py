@@ -3,7 +3,8 @@
 
 The breakage lives only in the tests: ``tests/sync_break_site`` on ``PYTHONPATH`` replaces the
 CPU worker's ``update_weight`` when ``DRPO_TEST_SYNC_BREAK`` names a breakage per engine
-(``sync_breakage.py``). Each run starts its own Ray cluster so its workers inherit both.
+(``sync_breakage.py``). The module's runs join one Ray cluster whose workers inherit both;
+each run's breakages are in the file that variable names, written before the run.
 Every breakage must stop the run with the guard's message; with the guard off, the same
 breakages run to the end (exit 0), so it is the guard that stops them. Engines that hold the
 right weights but compute otherwise are the weight probe's (``--drpo.weight_probe``); its
@@ -22,6 +23,7 @@ from test_e2e_pipeline import train
 from test_weight_places_guard import BROKEN, PLACES, another_checkpoint
 
 from drpo_openrlhf.algo.logprob_gap import FALLBACK_LIMIT, HONEST_CAP, derived_limit
+from drpo_openrlhf.demo.training import local_ray_cluster
 from drpo_openrlhf.eval.tensorboard_logs import read_scalars
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -40,10 +42,36 @@ GUARD = "weight sync check failed"
 HOLDS = r"holds other values or places than the actor's '([^']+)'"
 
 
-def broken_run(toy, out: Path, monkeypatch, breaks: dict, *flags: str, steps: int):
-    monkeypatch.setenv("DRPO_TEST_SYNC_BREAK", json.dumps(breaks))
-    monkeypatch.setenv("PYTHONPATH", str(SITE))
-    return train(toy, out, *flags, ray_address=None, steps=steps)
+@pytest.fixture(scope="module")
+def break_file(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("sync_break") / "breaks.json"
+
+
+@pytest.fixture(scope="module")
+def ray_address(break_file):
+    """One cluster for the module, with fake GPUs for the actor and up to four engines; its
+    workers import the break site, which reads ``break_file`` at each use."""
+    break_file.write_text("{}")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PYTHONPATH", str(SITE))
+        env.setenv("DRPO_TEST_SYNC_BREAK", f"@{break_file}")
+        with local_ray_cluster(num_gpus=5) as address:
+            yield address
+
+
+@pytest.fixture
+def broken_run(toy, ray_address, break_file):
+    """``broken_run(out, breaks, *flags, steps=...)``: a run on the toy whose engines are broken
+    as ``breaks`` says (engine index -> breakage, ``sync_breakage.py``)."""
+
+    def run(out: Path, breaks: dict, *flags: str, steps: int):
+        break_file.write_text(json.dumps(breaks))
+        try:
+            return train(toy, out, *flags, ray_address=ray_address, steps=steps)
+        finally:
+            break_file.write_text("{}")
+
+    return run
 
 
 def engine_reports(out: str, engines: int) -> list[str]:
@@ -62,7 +90,7 @@ def engine_reports(out: str, engines: int) -> list[str]:
 
 
 def test_skipped_renamed_unloaded_and_misplaced_tensors_stop_the_run_at_the_first_sync(
-    toy, tmp_path, monkeypatch
+    broken_run, tmp_path
 ):
     """Every breakage of the first sync, one run, three engines (``ONE_STEP_BREAKS``): engine 0
     skips a tensor and loads another under the wrong name, engine 1 loads nothing, engine 2
@@ -73,9 +101,7 @@ def test_skipped_renamed_unloaded_and_misplaced_tensors_stop_the_run_at_the_firs
     which end their own check before the digests (``engine_problems``), so no "holds other
     values" line comes from them; engine 2 loads every name exactly once, so its problems are
     the digests' only. At most 8 problems are listed per engine; engine 0 has 5, engine 2 4."""
-    done = broken_run(
-        toy, tmp_path, monkeypatch, ONE_STEP_BREAKS, "--vllm.num_engines", "3", steps=2
-    )
+    done = broken_run(tmp_path, ONE_STEP_BREAKS, "--vllm.num_engines", "3", steps=2)
     assert done.returncode != 0
     out = done.output
     assert f"{GUARD} after rollout step 1" in out, out[-3000:]
@@ -93,8 +119,8 @@ def test_skipped_renamed_unloaded_and_misplaced_tensors_stop_the_run_at_the_firs
     assert "Global step 2:" not in out
 
 
-def test_an_engine_one_sync_behind_stops_the_run(toy, tmp_path, monkeypatch):
-    done = broken_run(toy, tmp_path, monkeypatch, {"0": {"lag": True}}, steps=2)
+def test_an_engine_one_sync_behind_stops_the_run(broken_run, tmp_path):
+    done = broken_run(tmp_path, {"0": {"lag": True}}, steps=2)
     assert done.returncode != 0
     out = done.output
     assert "of the sync before loaded" in out  # the first sync was whole, the second lagged
@@ -110,7 +136,7 @@ COMPUTE_BREAKS = {"2": {"rope_theta": 4.0}, "3": {"fp16_linear": True}}
 PROBE_FAILED = "weight probe before the first rollout failed (--drpo.weight_probe all)"
 
 
-def test_engines_that_compute_otherwise_stop_the_run_at_the_first_probe(toy, tmp_path, monkeypatch):
+def test_engines_that_compute_otherwise_stop_the_run_at_the_first_probe(broken_run, tmp_path):
     """What the digests cannot see, four engines, one run: engine 2's rotary base is 4x the
     model's, engine 3's linear layers compute in fp16. The settings check names engine 2's
     base at start-up; allowed here (``--drpo.allow_engine_difference rope_theta``), the run
@@ -120,9 +146,7 @@ def test_engines_that_compute_otherwise_stop_the_run_at_the_first_probe(toy, tmp
     actor too (over the cap at the first probe); engine 3's gap to the actor stays within the
     honest gap's range, which only the engines' comparison can tell apart."""
     done = broken_run(
-        toy,
         tmp_path,
-        monkeypatch,
         COMPUTE_BREAKS,
         *("--vllm.num_engines", "4", "--drpo.allow_engine_difference", "rope_theta"),
         steps=1,
@@ -160,9 +184,7 @@ def settings_named(out: str) -> dict[tuple[str, str], tuple[str, str]]:
     return {(engine, name): (ours, theirs) for engine, name, ours, theirs in lines}
 
 
-def test_an_engine_created_otherwise_than_the_actor_stops_the_run_at_start_up(
-    toy, tmp_path, monkeypatch
-):
+def test_an_engine_created_otherwise_than_the_actor_stops_the_run_at_start_up(broken_run, tmp_path):
     """Engine 1 of two in fp16, with a rotary base 2x the model's and a shorter context, and
     engine 0 with the same shorter context only: the settings check names each with both
     values before the weights are compared (fp16 weights would fail the digests too, naming
@@ -171,9 +193,7 @@ def test_an_engine_created_otherwise_than_the_actor_stops_the_run_at_start_up(
     only engine; its dtype and rotary base, right, are not. The control is every other run
     here and in test_e2e_pipeline.py, whose healthy engines pass the same check (its line is
     asserted in the resumed run of test_e2e_pipeline.py)."""
-    done = broken_run(
-        toy, tmp_path, monkeypatch, SETTINGS_BREAKS, "--vllm.num_engines", "2", steps=1
-    )
+    done = broken_run(tmp_path, SETTINGS_BREAKS, "--vllm.num_engines", "2", steps=1)
     assert done.returncode != 0
     out = done.output
     assert "SYNC BREAK: the engine's model in float16" in out
@@ -202,7 +222,7 @@ GAP_FAILED = r"rollout step 1(, the run's first \(|: vLLM's rollout log-probs di
 
 
 def test_an_engine_sampling_at_another_temperature_stops_the_run_at_its_first_rollout(
-    toy, tmp_path, monkeypatch
+    broken_run, tmp_path
 ):
     """What neither the digests nor the probe can see: engine 1 of two samples at temperature
     1.0 while the run (and so the actor's scoring) is at 0.6. Its weights are exact and prompt
@@ -214,9 +234,7 @@ def test_an_engine_sampling_at_another_temperature_stops_the_run_at_its_first_ro
     under the same limit. Without the guard (``--drpo.max_logprob_gap 100``) this run trains
     through (run by hand: exit 0)."""
     done = broken_run(
-        toy,
         tmp_path,
-        monkeypatch,
         TEMPERATURE_BREAK,
         *("--vllm.num_engines", "2", "--rollout.temperature", "0.6"),
         steps=1,
@@ -237,7 +255,7 @@ def test_an_engine_sampling_at_another_temperature_stops_the_run_at_its_first_ro
     assert "Global step 1:" not in out
 
 
-def test_without_the_guard_the_same_breakages_run_through(toy, tmp_path, monkeypatch):
+def test_without_the_guard_the_same_breakages_run_through(broken_run, toy, tmp_path):
     """The control: every breakage above and in ``test_weight_places_guard.py`` at once, guard
     off, the log-prob limit out of the way: the run ends normally, so it is the guard that
     stops them. The stale policy's ``drpo/rollout_logprob_gap`` crosses the limit a guarded
@@ -249,9 +267,7 @@ def test_without_the_guard_the_same_breakages_run_through(toy, tmp_path, monkeyp
         "1": {"nothing": True, "start_from": str(other)},
     }
     done = broken_run(
-        toy,
         tmp_path / "run",
-        monkeypatch,
         breaks,
         *("--vllm.num_engines", "2", "--no-drpo.verify_weight_sync"),
         *("--drpo.max_logprob_gap", "100"),
