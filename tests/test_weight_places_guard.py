@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -45,15 +47,23 @@ def break_file(tmp_path_factory):
     return tmp_path_factory.mktemp("sync-break") / "breaks.json"
 
 
-@pytest.fixture(scope="module")
-def ray_address(break_file):
-    """One cluster for the module; its workers inherit the break site and the break file."""
+@contextmanager
+def break_site_cluster(break_file: Path, num_gpus: int) -> Iterator[str]:
+    """A local cluster whose workers import the break site, which reads the breakages from
+    ``break_file`` at each use (none until a test writes some)."""
     break_file.write_text("{}")
     with pytest.MonkeyPatch.context() as env:
         env.setenv("PYTHONPATH", str(SITE))
         env.setenv("DRPO_TEST_SYNC_BREAK", f"@{break_file}")
-        with local_ray_cluster(num_gpus=3) as address:
+        with local_ray_cluster(num_gpus=num_gpus) as address:
             yield address
+
+
+@pytest.fixture(scope="module")
+def ray_address(break_file):
+    """One cluster for the module."""
+    with break_site_cluster(break_file, num_gpus=3) as address:
+        yield address
 
 
 def another_checkpoint(toy, folder: Path) -> Path:

@@ -20,15 +20,13 @@ from pathlib import Path
 
 import pytest
 from test_e2e_pipeline import train
-from test_weight_places_guard import BROKEN, PLACES, another_checkpoint
+from test_weight_places_guard import BROKEN, PLACES, another_checkpoint, break_site_cluster
 
 from drpo_openrlhf.algo.logprob_gap import FALLBACK_LIMIT, HONEST_CAP, derived_limit
-from drpo_openrlhf.demo.training import local_ray_cluster
 from drpo_openrlhf.eval.tensorboard_logs import read_scalars
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-SITE = Path(__file__).parent / "sync_break_site"
 SKIPPED = "model.layers.0.self_attn.o_proj.weight"
 RENAMED = ("model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight")
 # engine 0: one tensor skipped, one loaded under the wrong name; engine 1 loads nothing;
@@ -49,14 +47,9 @@ def break_file(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def ray_address(break_file):
-    """One cluster for the module, with fake GPUs for the actor and up to four engines; its
-    workers import the break site, which reads ``break_file`` at each use."""
-    break_file.write_text("{}")
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("PYTHONPATH", str(SITE))
-        env.setenv("DRPO_TEST_SYNC_BREAK", f"@{break_file}")
-        with local_ray_cluster(num_gpus=5) as address:
-            yield address
+    """One cluster for the module, with fake GPUs for the actor and up to four engines."""
+    with break_site_cluster(break_file, num_gpus=5) as address:
+        yield address
 
 
 @pytest.fixture
@@ -171,7 +164,7 @@ def test_engines_that_compute_otherwise_stop_the_run_at_the_first_probe(broken_r
 SETTINGS_FAILED = "the vLLM engines do not run the model as the actor does (at start-up)"
 # engine 1 of two created otherwise than the run asks (sync_breakage.py); engine 0 healthy
 # engine 1 otherwise in three settings; engine 0 agrees with it on the shorter context, so
-# only the comparison with the actor can name engine 0 (as for an only engine)
+# only the comparison with the actor can name engine 0 for it
 SETTINGS_BREAKS = {
     "0": {"max_model_len": 96},
     "1": {"dtype": "float16", "rope_theta": 2.0, "max_model_len": 96},
@@ -189,8 +182,9 @@ def test_an_engine_created_otherwise_than_the_actor_stops_the_run_at_start_up(br
     engine 0 with the same shorter context only: the settings check names each with both
     values before the weights are compared (fp16 weights would fail the digests too, naming
     the wrong cause) and before any rollout. Engine 0 is named for its context alone, which
-    only the comparison with the actor sees (the engines agree on it), as it must for a run's
-    only engine; its dtype and rotary base, right, are not. The control is every other run
+    only the comparison with the actor sees (the engines agree on it); its dtype and rotary
+    base, right, are not (the only engine broken:
+    ``test_the_only_engine_created_otherwise_stops_the_run``). The control is every other run
     here and in test_e2e_pipeline.py, whose healthy engines pass the same check (its line is
     asserted in the resumed run of test_e2e_pipeline.py)."""
     done = broken_run(tmp_path, SETTINGS_BREAKS, "--vllm.num_engines", "2", steps=1)
@@ -300,3 +294,15 @@ def test_without_the_guard_the_same_breakages_run_through(broken_run, toy, tmp_p
     assert per_engine[0][2] > 0.5 > per_engine[1][2], per_engine
     assert derived_limit(gaps[1]) < max(gaps[2], gaps[3])
     assert gaps[1] < FALLBACK_LIMIT < max(gaps[2], gaps[3])
+
+
+def test_the_only_engine_created_otherwise_stops_the_run(broken_run, tmp_path):
+    """Engine 1's three settings broken in a run's only engine: nothing to compare it with
+    but the actor, which is enough."""
+    done = broken_run(tmp_path, {"0": SETTINGS_BREAKS["1"]}, steps=1)
+    assert done.returncode != 0
+    assert SETTINGS_FAILED in done.output, done.output[-3000:]
+    named = settings_named(done.output)
+    assert set(named) == {("0", "dtype"), ("0", "rope_theta"), ("0", "max_model_len")}, named
+    assert named["0", "max_model_len"] == ("96", "128")
+    assert "Global step 1:" not in done.output
