@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import socket
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -995,10 +996,11 @@ def verify() -> None:
 
 def apply(site: str, values: Mapping[str, object]) -> None:
     """Install the patches of ``site``: ``values`` maps each of its rows' ``symbol`` to ours
-    (a row ``WRAPPED`` takes a function of the original that returns ours). A missing symbol
-    stops it before anything is patched (setting it would add an attribute nothing calls);
-    signatures are ``verify``'s, on the driver. Applying again wraps the upstream original,
-    never our earlier wrapper. An upstream module that cannot be imported raises ImportError."""
+    (a row ``WRAPPED`` takes a function of the original that returns ours). A missing symbol,
+    or one signed otherwise than the table says, stops it before anything is patched: the
+    driver's ``verify`` saw its own packages, and a worker on another node may have others
+    (the error names this node). Applying again wraps the upstream original, never our
+    earlier wrapper. An upstream module that cannot be imported raises ImportError."""
     rows = [row for row in TABLE if row.site == site]
     expected = {row.symbol for row in rows}
     if not rows or set(values) != expected:
@@ -1009,13 +1011,25 @@ def apply(site: str, values: Mapping[str, object]) -> None:
             owner, name = _owner(row)
             found.append((row, owner, name, getattr(owner, name)))
         except AttributeError as error:
-            _refuse([Mismatch(row, None, f"missing (AttributeError: {error})")])
+            _refuse([Mismatch(row, None, f"missing (AttributeError: {error}) on {_node()}")])
+    signed = [(row, signature_of(_upstream(row.path, current))) for row, _, _, current in found]
+    _refuse(
+        [
+            Mismatch(row, sig, f"signature {sig} differs from {row.signature} on {_node()}")
+            for row, sig in signed
+            if sig != row.signature
+        ]
+    )
     for row, owner, name, current in found:
         original = _upstream(row.path, current)
         value = values[row.symbol]
         ours = value(original) if row.kind == WRAPPED else value
         setattr(owner, name, ours)
         _installed[row.path] = (original, ours)
+
+
+def _node() -> str:
+    return f"node {socket.gethostname()}"
 
 
 def swap_class(instance: object, cls: type) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import importlib
 import re
+import socket
 import sys
 import types
 from pathlib import Path
@@ -118,7 +119,9 @@ def _shadow(monkeypatch, module: str, old: str, new: str) -> types.ModuleType:
     assert source.count(old) == 1, old
     changed = types.ModuleType(module)
     changed.__file__ = installed.__file__
-    exec(compile(source.replace(old, new), installed.__file__, "exec"), changed.__dict__)
+    # dont_inherit: not this module's ``from __future__ import annotations`` (string annotations)
+    code = compile(source.replace(old, new), installed.__file__, "exec", dont_inherit=True)
+    exec(code, changed.__dict__)
     monkeypatch.setitem(sys.modules, module, changed)
     return changed
 
@@ -189,6 +192,32 @@ def test_a_re_signed_symbol_is_named(monkeypatch):
     )
     with pytest.raises(upstream.UpstreamMismatch, match=r"WorkerWrap\.update_weight"):
         upstream.verify()
+
+
+def test_a_worker_whose_packages_sign_a_symbol_otherwise_patches_nothing(monkeypatch):
+    """What the driver's ``verify`` cannot see: a worker on a node with another OpenRLHF, in
+    which a patched function takes another parameter. Its site refuses, naming the symbol,
+    both signatures and the node, before it patches anything."""
+    changed = _shadow(
+        monkeypatch,
+        "openrlhf.utils.utils",
+        "def convert_to_torch_dtype(param_dtype: str)",
+        "def convert_to_torch_dtype(param_dtype: str, device=None)",
+    )
+    from openrlhf.utils.deepspeed import deepspeed as openrlhf_deepspeed
+
+    mesh, convert = openrlhf_deepspeed.init_device_mesh, changed.convert_to_torch_dtype
+
+    def started(*_args, **_kwargs):
+        raise AssertionError("patched")
+
+    with pytest.raises(upstream.UpstreamMismatch) as refused:
+        upstream.apply("cpu_openrlhf", {row.symbol: started for row in _site("cpu_openrlhf")})
+    message = str(refused.value)
+    assert "openrlhf.utils.utils.convert_to_torch_dtype" in message
+    assert "signature (param_dtype: str, device=None) -> torch.dtype differs from " in message
+    assert f"on node {socket.gethostname()}" in message
+    assert openrlhf_deepspeed.init_device_mesh is mesh and changed.convert_to_torch_dtype is convert
 
 
 def _is_upstream(node: ast.ImportFrom) -> bool:
