@@ -119,6 +119,8 @@ class _DRPOPolicyModelActor(
         engine_start.install()
         with BuildLockWatch():  # DeepSpeed builds its ops here
             super().init_model_from_pretrained(strategy, *args, **kwargs)
+        # strategy.args is OpenRLHF's nested args, to which launch.run_openrlhf's wrapper of
+        # its hierarchize adds drpo_run (the run's options) and drpo (its DRPOConfig)
         chunked_actor.install(self.actor, strategy.args.drpo_run.logprob_chunk_tokens)
         self._enable_drpo(strategy.args.drpo)
 
@@ -513,6 +515,9 @@ class _GroupAwarePPOTrainer(
         install_samples_generator(self.samples_generator, StoppableSamplesGenerator)
 
 
+# The engine actors' mixins add remote methods; only generate_responses is chained: a call
+# passes through WeightVersionEngine, EngineTaggingEngine and PositiveRewardEngine (the bases'
+# order) to OpenRLHF's RolloutRayActor.
 class _CPURolloutRayActor(
     WeightVersionEngine,
     EngineTaggingEngine,
@@ -554,6 +559,9 @@ class _GPURolloutRayActor(
         guard_engine_rewards(self.executor)
 
 
+# OpenRLHF's train() (cli/train_ppo_ray.py) creates these through the names PolicyModelActor,
+# RolloutRayActor and PPOTrainer, which launch.run_openrlhf's "driver" site of upstream.TABLE
+# points at them before it runs OpenRLHF's __main__.
 DRPOPolicyModelActor = ray.remote(num_gpus=1)(_DRPOPolicyModelActor)
 BaselinePolicyModelActor = ray.remote(num_gpus=1)(_BaselinePolicyModelActor)
 CPURolloutRayActor = ray.remote(_CPURolloutRayActor)
