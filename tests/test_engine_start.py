@@ -4,6 +4,7 @@ weight-sync group. The real pipeline's case is ``tests/test_faults.py``."""
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import pytest
@@ -67,7 +68,12 @@ def test_rank_0_waits_for_the_engines_before_the_sync_group(monkeypatch):
 
     calls = []
     trainer = ppo_actor.ActorPPOTrainer
-    monkeypatch.setattr(trainer, "_init_vllm_sync_group", lambda self, b: calls.append("open"))
+
+    @functools.wraps(trainer._init_vllm_sync_group)  # upstream's signature: apply checks it
+    def opened(self, backend):
+        calls.append("open")
+
+    monkeypatch.setattr(trainer, "_init_vllm_sync_group", opened)
     monkeypatch.setattr(engine_start, "wait_for_engines", lambda e: calls.append(("wait", e)))
     engine_start.install()
     engine_start.install()  # once per process, however often the actor starts
