@@ -141,6 +141,24 @@ def exiting() -> None:
             signal.signal(signum, _already_stopping)
 
 
+@contextmanager
+def uninterrupted() -> Iterator[None]:
+    """SIGINT and SIGTERM do nothing during the block (a stopping command's clean-up and the
+    line that says why it stopped, both bounded); the handlers before it are back after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {
+        signum: signal.signal(signum, _already_stopping)
+        for signum in STOP_SIGNALS
+        if signal.getsignal(signum) is not signal.SIG_IGN
+    }
+    try:
+        yield
+    finally:
+        restore_signals(previous)
+
+
 def restore_signals(previous: dict[int, Any]) -> None:
     for signum, handler in previous.items():
         signal.signal(signum, handler if handler is not None else signal.SIG_DFL)

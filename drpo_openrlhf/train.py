@@ -463,25 +463,30 @@ def main(argv: list[str] | None = None) -> None:
         print(f"drpo_openrlhf: {cleared}", flush=True)
     if options.resume:
         print(f"drpo_openrlhf: {prepare_resume(options.ckpt_path)}", flush=True)
+    # A stopping run's last line says why; a signal meanwhile (its launcher's, a second
+    # Ctrl-C) must not cut it off, as the SIGTERM handler of Ray's driver would (SystemExit).
     try:
         run_openrlhf(openrlhf_argv, options)
     except (KeyboardInterrupt, SystemExit) as stop:
         interrupted = process_tree.interruption(stop)
         if interrupted is None:
             raise
-        print(f"drpo_openrlhf: interrupted by {interrupted.name}: stopping", file=sys.stderr)
-        shutdown_ray()  # the actors' last words (Ray forwards them) come before the run's
-        message = interrupt_message(interrupted.name, options.ckpt_path)
-        print(f"drpo_openrlhf: {message}", file=sys.stderr, flush=True)
+        with process_tree.uninterrupted():
+            print(f"drpo_openrlhf: interrupted by {interrupted.name}: stopping", file=sys.stderr)
+            shutdown_ray()  # the actors' last words (Ray forwards them) come before the run's
+            message = interrupt_message(interrupted.name, options.ckpt_path)
+            print(f"drpo_openrlhf: {message}", file=sys.stderr, flush=True)
         raise SystemExit(interrupted.exit_code) from None
     except Exception as error:
-        if isinstance(innermost(error), StopRequested):  # the step is saved: a clean end
-            print(f"drpo_openrlhf: {innermost(error)}", flush=True)
-            return
-        if not isinstance(innermost(error), NoLearningSignalError):  # a diagnosis, not a crash
-            traceback.print_exc()
-        message = stop_message(error, options.ckpt_path)
-        print(f"drpo_openrlhf: {message}", file=sys.stderr, flush=True)
+        with process_tree.uninterrupted():
+            cause = innermost(error)
+            if isinstance(cause, StopRequested):  # the step is saved: a clean end
+                print(f"drpo_openrlhf: {cause}", flush=True)
+                return
+            if not isinstance(cause, NoLearningSignalError):  # a diagnosis, not a crash
+                traceback.print_exc()
+            message = stop_message(error, options.ckpt_path)
+            print(f"drpo_openrlhf: {message}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
 
 

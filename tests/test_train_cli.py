@@ -488,3 +488,63 @@ def test_a_cpu_runs_ray_env_carries_the_dtype(monkeypatch):
     monkeypatch.setenv(cpu_dtype.ENV, "fp32")
     launch.init_cpu_ray({}, address="127.0.0.1:6379")
     assert started["runtime_env"]["env_vars"][cpu_dtype.ENV] == "fp32"
+
+
+@pytest.fixture
+def ray_driver_sigterm():
+    """The SIGTERM handler that ``ray.init`` installs in a driver (``ray/_private/worker.py``:
+    ``sys.exit(signum)``), for the test; the worker's own handlers are back after it."""
+    import signal
+
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))
+    yield
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)
+
+
+def test_a_signal_while_the_run_stops_does_not_cut_off_why(
+    entry_point, ray_driver_sigterm, monkeypatch, capsys
+):
+    """A Ray actor dies, and the launcher's SIGTERM (a demo or sweep passing its own on)
+    arrives while the driver prints why it stopped: the run still says why and exits 1. It
+    ended with 15 and no word once, its traceback the log's last lines."""
+    import signal
+
+    from ray.exceptions import ActorDiedError
+
+    def actor_died(*args, **kwargs):
+        raise ActorDiedError()
+
+    def signalled_meanwhile(error, ckpt_path):
+        signal.raise_signal(signal.SIGTERM)
+        return stop_message(error, ckpt_path)
+
+    stop_message = train.stop_message
+    monkeypatch.setattr(runpy, "run_module", actor_died)
+    monkeypatch.setattr(train, "stop_message", signalled_meanwhile)
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(BASE)
+    assert exit_info.value.code == 1
+    assert "drpo_openrlhf: the run stopped: a Ray actor process died" in capsys.readouterr().err
+
+
+def test_a_second_signal_while_an_interrupted_run_stops_does_not_cut_off_why(
+    entry_point, ray_driver_sigterm, monkeypatch, capsys
+):
+    """SIGTERM (Ray's handler: SystemExit(15)), then another during Ray's shutdown: the run
+    still shuts down, says so and exits 143."""
+    import signal
+
+    from drpo_openrlhf.runtime import launch
+
+    def signalled(*args, **kwargs):
+        signal.raise_signal(signal.SIGTERM)
+
+    shutdowns = []
+    monkeypatch.setattr(runpy, "run_module", signalled)
+    monkeypatch.setattr(launch, "shutdown_ray", lambda: (signalled(), shutdowns.append(1)))
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(BASE)
+    assert exit_info.value.code == 143 and shutdowns == [1]
+    assert "drpo_openrlhf: the run stopped on SIGTERM." in capsys.readouterr().err
