@@ -8,6 +8,9 @@ the flash-attn build sized for the job, and the import check of every component.
     (the GPUs present); a value already in the environment is kept.
 ``python scripts/gpu_install.py flash-attn``  prints ``wheel URL`` (a prebuilt release wheel
     matches this torch/CUDA/Python/C++-ABI) or ``source`` (build it).
+``python scripts/gpu_install.py resolve REQUIREMENTS PINS``  pip's resolution of the whole set
+    against the pins (``--dry-run --report``, nothing installed); exits 1 naming pip's
+    conflict; notes a companion of torch that vLLM pins for another torch.
 ``python scripts/gpu_install.py torch-cuda``  exits 1 with the reason when torch cannot use CUDA
     or is another CUDA major than nvcc and vLLM.
 ``python scripts/gpu_install.py vllm-cuda``   exits 1 with the reason when vLLM's CUDA kernels
@@ -23,11 +26,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
@@ -546,6 +551,73 @@ def check(components: list[tuple[str, Callable[[], str]]] | None = None) -> list
     return missing
 
 
+# ------------------------------------------------------------- the whole set, resolved first
+# torch's companions whose releases follow torch's minor (torchaudio 2.11 is built for torch
+# 2.11) without requiring it in their metadata, so pip accepts any torch beside them
+TORCH_COMPANIONS = ("torchaudio",)
+PIP_ADVICE = ("To fix this", "1. ", "2. ", "ERROR: ResolutionImpossible")
+
+
+def resolve(requirements: Path, pins: Path) -> list[str]:
+    """pip's resolution of ``requirements`` held to ``pins`` in this interpreter's
+    environment (torch installed: flash-attn's and DeepSpeed's sdists import it for their
+    metadata; nothing is built or installed). Returns notes; raises ``Stop`` with pip's
+    conflict, which would otherwise surface midway through the install."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.json"
+        command = [sys.executable, "-m", "pip", "--disable-pip-version-check", "install"]
+        command += ["--dry-run", "--no-build-isolation", "--report", str(report)]
+        command += ["-c", str(pins), "-r", str(requirements)]
+        env = {**os.environ, "FLASH_ATTENTION_SKIP_CUDA_BUILD": "TRUE"}  # metadata only
+        done = subprocess.run(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
+        if done.returncode != 0:  # pip explains a conflict on stdout, between its errors
+            raise Stop(f"pip cannot resolve {requirements} with its pins:\n{conflict(done.stdout)}")
+        installs = [item["metadata"] for item in json.loads(report.read_text())["install"]]
+    torch = next((m["version"] for m in installs if m["name"].lower() == "torch"), None)
+    torch = torch or importlib.metadata.version("torch")
+    notes = [f"resolved: {len(installs)} packages to install beside torch {torch}"]
+    for name in TORCH_COMPANIONS:
+        note = companion_note(name, installs, torch)
+        notes += [note] if note else []
+    return notes
+
+
+def conflict(output: str) -> str:
+    """pip's output from its first error on, without its generic advice."""
+    lines = [line.rstrip() for line in output.splitlines() if line.strip()]
+    start = next((i for i, line in enumerate(lines) if line.startswith("ERROR:")), 0)
+    kept = [line for line in lines[start:] if not line.strip().startswith(PIP_ADVICE)]
+    return "\n".join(kept) or output.strip()
+
+
+def companion_note(name: str, installs: list[dict], torch: str) -> str | None:
+    """A note when pip chose ``name`` for another torch minor than ``torch``, naming who
+    asks for it (``installs``: the report's metadata of each package it would install)."""
+    version = next((m["version"] for m in installs if m["name"].lower() == name), None)
+    if version is None or _minor(version) == _minor(torch):
+        return None
+    wanted = [
+        f"{m['name']} {m['version']}"
+        for m in installs
+        if any(
+            re.match(rf"{name}\b", line) and "extra ==" not in line  # asked for unconditionally
+            for line in m.get("requires_dist") or []
+        )
+    ]
+    return (
+        f"note: {name} {version} (required by {', '.join(wanted) or 'nothing named'}) is "
+        f"built for torch {'.'.join(_minor(version))}, beside torch {torch}: it may not load. "
+        "Only vLLM's audio models import it; the text models trained here do not (the CPU "
+        "pipeline runs without it installed)"
+    )
+
+
+def _minor(version: str) -> tuple[str, ...]:
+    return tuple(version.split("+")[0].split(".")[:2])
+
+
 def _stop(message: str) -> int:
     print(f"install_gpu.sh: {message}", file=sys.stderr)
     return 1
@@ -553,15 +625,29 @@ def _stop(message: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    commands = ["preflight", "build-env", "flash-attn", "torch-cuda", "vllm-cuda", "check"]
+    commands = [
+        "preflight",
+        "build-env",
+        "resolve",
+        "flash-attn",
+        "torch-cuda",
+        "vllm-cuda",
+        "check",
+    ]
     parser.add_argument("command", choices=commands)
-    command = parser.parse_args(argv).command
+    parser.add_argument("files", nargs="*", type=Path, help="resolve: REQUIREMENTS PINS")
+    parsed = parser.parse_args(argv)
+    command = parsed.command
     env = os.environ
     try:
         if command == "preflight":
             preflight(env, lambda line: print(f"   {line}", flush=True))
         elif command == "build-env":
             print("\n".join(f"{key}={value}" for key, value in build_env(env).items()))
+        elif command == "resolve":
+            if len(parsed.files) != 2:
+                parser.error("resolve takes REQUIREMENTS and PINS")
+            print("\n".join(f"   {note}" for note in resolve(*parsed.files)))
         elif command == "flash-attn":
             print(flash_attn_choice(current_build()))
         elif command == "torch-cuda":

@@ -72,6 +72,11 @@ install_torch() {
   run "$PY" scripts/gpu_install.py torch-cuda || exit 1
 }
 
+resolve_all() {
+  step "the whole set resolved against the pins before more is installed (pip --dry-run)"
+  run "$PY" scripts/gpu_install.py resolve requirements.txt "$PINS" || exit 1
+}
+
 install_vllm() {
   step "$VLLM (its CUDA 13 build, pinned), then its CUDA kernels must run on this GPU"
   run "${PIP[@]}" install -c "$PINS" "$VLLM"
@@ -125,6 +130,7 @@ import_check() {
 check_cuda
 make_venv
 install_torch
+resolve_all
 install_vllm
 install_flash_attn
 install_rest

@@ -4,6 +4,7 @@ is absent (nothing installed before them), and the import check's report of what
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import re
 import shutil
@@ -55,7 +56,8 @@ def test_dry_run_lists_the_steps_in_the_order_that_works_and_runs_nothing(tmp_pa
     result = install(tmp_path, "--dry-run")
     assert result.returncode == 0, result.stderr
     steps = re.findall(r"^== step \d+: (.*)$", result.stdout, re.MULTILINE)
-    expected = ["CUDA", "virtual environment", "torch==", "vllm==", "flash-attn==", "the rest"]
+    expected = ["CUDA", "virtual environment", "torch==", "the whole set resolved", "vllm=="]
+    expected += ["flash-attn==", "the rest"]
     expected += ["drpo", "FusedAdam", "import check"]
     assert len(steps) == len(expected)
     for step, start in zip(steps, expected, strict=True):
@@ -67,6 +69,9 @@ def test_dry_run_lists_the_steps_in_the_order_that_works_and_runs_nothing(tmp_pa
     assert "install torch==2.13.0" in pip[1]  # after the venv's build tools, before the rest
     after_torch = commands[commands.index(pip[1]) + 1]
     assert after_torch.endswith("gpu_install.py torch-cuda")
+    resolve = commands[commands.index(after_torch) + 1]  # torch in, as the sdists need
+    assert re.search(r"gpu_install\.py resolve requirements\.txt \S+$", resolve)
+    assert commands.index(resolve) < commands.index(pip[2])  # before vLLM is installed
     assert " install -c " in pip[2]  # held to the pins of requirements.txt
     assert pip[2].split()[-1] == "vllm==0.29.0"  # vLLM's CUDA build before anything compiles
     assert commands[commands.index(pip[2]) + 1].endswith("gpu_install.py vllm-cuda")
@@ -608,3 +613,62 @@ def test_the_pinned_gpu_set_is_one_consistent_set_of_cuda_13_wheels():
     assert cuda_majors(requirements["torch"]) == {gpu_install.CUDA_MAJOR}
     assert cuda_majors(requirements["vllm"]) == {gpu_install.CUDA_MAJOR}
     assert f"torch=={pinned['torch'][0]}" in requirements["vllm"]
+
+
+# ------------------------------------------------- the whole set resolved before installing
+def stub_wheel(index: Path, name: str, version: str, requires: list[str]) -> None:
+    """A wheel of metadata alone, enough for pip's resolver."""
+    import zipfile
+
+    info = f"{name}-{version}.dist-info"
+    metadata = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+    metadata += "".join(f"Requires-Dist: {line}\n" for line in requires)
+    files = {
+        f"{info}/METADATA": metadata,
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        f"{info}/RECORD": "",
+    }
+    with zipfile.ZipFile(index / f"{name}-{version}-py3-none-any.whl", "w") as wheel:
+        for member, text in files.items():
+            wheel.writestr(member, text)
+
+
+def resolve_with(tmp_path, monkeypatch, vllm_requires: list[str]) -> list[str]:
+    """``gpu_install.resolve`` by this venv's pip (its torch installed) on a local index whose
+    vllm 0.29.0 requires ``vllm_requires``, beside a torchaudio built for torch 2.11."""
+    index = tmp_path / "index"
+    index.mkdir(parents=True)
+    stub_wheel(index, "vllm", "0.29.0", vllm_requires)
+    stub_wheel(index, "torchaudio", "2.11.0", [])
+    (tmp_path / "requirements.txt").write_text("torch==2.13.0\nvllm==0.29.0\n")
+    (tmp_path / "pins.txt").write_text("torch==2.13.0\nvllm==0.29.0\n")
+    for key, value in {
+        "NO_INDEX": "1",
+        "FIND_LINKS": str(index),
+        "CONFIG_FILE": os.devnull,
+    }.items():
+        monkeypatch.setenv(f"PIP_{key}", value)  # this index only, no machine's pip config
+    return gpu_install.resolve(tmp_path / "requirements.txt", tmp_path / "pins.txt")
+
+
+def test_the_resolution_names_a_companion_of_torch_pinned_for_another_torch(tmp_path, monkeypatch):
+    """vLLM 0.29.0 pins torchaudio 2.11.0 beside its torch 2.13.0 (its wheel on PyPI): pip
+    accepts it, since torchaudio's metadata names no torch; the install notes it."""
+    notes = resolve_with(tmp_path, monkeypatch, ["torch==2.13.0", "torchaudio==2.11.0"])
+    assert notes[0].startswith("resolved: 2 packages to install beside torch 2.13.0")
+    assert len(notes) == 2 and "torchaudio 2.11.0 (required by vllm 0.29.0)" in notes[1]
+    assert "built for torch 2.11, beside torch 2.13.0" in notes[1]
+    torch = importlib.metadata.version("torch")  # installed here: not in pip's list
+    assert resolve_with(tmp_path / "b", monkeypatch, ["torch==2.13.0"]) == [
+        f"resolved: 1 packages to install beside torch {torch}"
+    ]
+
+
+def test_a_requirement_against_the_pins_stops_the_install_with_pips_conflict(tmp_path, monkeypatch):
+    with pytest.raises(gpu_install.Stop) as stop:
+        resolve_with(tmp_path, monkeypatch, ["torch==2.11.0"])
+    said = str(stop.value)
+    assert said.startswith(f"pip cannot resolve {tmp_path / 'requirements.txt'} with its pins:")
+    assert "vllm 0.29.0 depends on torch==2.11.0" in said
+    assert "The user requested (constraint) torch==2.13.0" in said
+    assert "To fix this" not in said and "ResolutionImpossible" not in said
