@@ -22,7 +22,7 @@ set -euo pipefail
 export RECIPE_NAME=${RECIPE_NAME:-drpo-1.5b}
 export MODEL=${MODEL:-deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B}
 export LR=${LR:-2e-6}
-export ZERO_STAGE=${ZERO_STAGE:-2}
+export ZERO_STAGE=${ZERO_STAGE:-3}
 export MICRO_TRAIN_BATCH=${MICRO_TRAIN_BATCH:-4}
 export MICRO_ROLLOUT_BATCH=${MICRO_ROLLOUT_BATCH:-8}
 

@@ -19,7 +19,7 @@ FAKE_BIN = REPO / "tests" / "fakeslurm"
 LAUNCHER = REPO / "slurm" / "launch_ray_job.sh"
 RECIPES = {
     "1.5b": dict(
-        model="deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", lr=2e-6, zero=2, micro=4, rollout_micro=8
+        model="deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", lr=2e-6, zero=3, micro=4, rollout_micro=8
     ),
     "7b": dict(
         model="deepseek-ai/DeepSeek-R1-Distill-Qwen-7B", lr=1e-6, zero=3, micro=2, rollout_micro=4

@@ -211,12 +211,14 @@ def test_docs_show_the_sequence_parallel_memory_the_code_computes(size, checkpoi
     assert table in (DOCS.parent / "performance.md").read_text()
 
 
-@pytest.mark.parametrize(("size", "shards"), [("1.5b", 1), ("7b", 16), ("8b", 16)])
-def test_a_sleeping_actor_keeps_its_weights_beside_vllm(size, shards, tmp_path):
+@pytest.mark.parametrize(
+    ("size", "zero", "shards"), [("1.5b", 2, 1), ("1.5b", 3, 8), ("7b", 3, 16), ("8b", 3, 16)]
+)
+def test_a_sleeping_actor_keeps_its_weights_beside_vllm(size, zero, shards, tmp_path):
     """``--ds.enable_sleep`` offloads optimizer states, master weights and gradients, not the
     bf16 weights (OpenRLHF leaves ``lp_params`` out): ZeRO-2 keeps them whole, ZeRO-3 its
-    shard."""
-    plan = recipe_plan(size, tmp_path)
+    shard (1.5B over 8 GPUs, 7B/8B over 16)."""
+    plan = recipe_plan(size, tmp_path, **{"ds.zero_stage": zero})
     generation = next(p for p in plan if p.name == "generation")
     weights = next(t for t in generation.terms if t.name == "weights")
     params = KNOWN_SHAPES[RECIPES[size]["model"]].params
