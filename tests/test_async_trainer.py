@@ -66,9 +66,9 @@ class Board:
         self.probe_metrics = Remote(lambda: {"drpo/probe_logprob_gap": 0.0})
         self.start_step = Remote(lambda: self.start)
 
-        def post(when, ids, actor):
+        def post(when, ids, actor, kinds):
             calls.append(f"board post_probe {when}")
-            self.posted = (when, ids, actor)
+            self.posted = (when, ids, actor, kinds)
 
         def take():
             posted, self.posted = self.posted, None
@@ -201,7 +201,7 @@ def test_the_engines_score_a_posted_probe_before_the_next_rollout_once(
     under it the generator holds none, so it takes the lock for the probe: no sync, and no
     evaluation, moves the engines while they score it, and they are idle."""
     g = samples_generator(generation, tmp_path, tokenizer, partial)
-    g.board.posted = ("after rollout step 2", [1, 2, 3], [-1.0, -1.0])
+    g.board.posted = ("after rollout step 2", [1, 2, 3], [-1.0, -1.0], None)
     g.generate_samples()
     probed = ["probe engine 0", "probe engine 1"]
     locked = ["lock acquire", *probed, "lock release"] if partial else probed
@@ -217,7 +217,7 @@ def test_an_engine_that_scores_otherwise_stops_the_run_before_the_rollout(
     generation, tmp_path, tokenizer
 ):
     g = samples_generator(generation, tmp_path, tokenizer, partial=True, offset=1e-3)
-    g.board.posted = ("after rollout step 2", [1, 2, 3], [-1.0, -1.0])
+    g.board.posted = ("after rollout step 2", [1, 2, 3], [-1.0, -1.0], None)
     with pytest.raises(WeightProbeError, match="weight probe after rollout step 2 failed"):
         g.generate_samples()
     assert generation[-1] == "lock release" and "generate" not in generation
@@ -406,8 +406,8 @@ def test_the_board_keeps_the_newest_probe_and_wakes_a_wait_for_a_version():
         board = async_trainer._AsyncRunBoard()
         await board.start(3)
         assert await board.start_step() == 3
-        assert await board.post_probe("after rollout step 4", [1], [0.0]) is None
-        replaced = await board.post_probe("after rollout step 5", [1], [0.0])
+        assert await board.post_probe("after rollout step 4", [1], [0.0], None) is None
+        replaced = await board.post_probe("after rollout step 5", [1], [0.0], ["cpu"])
         assert replaced == "after rollout step 4"  # the trainer says it was skipped
         assert (await board.take_probe())[0] == "after rollout step 5"
         assert await board.take_probe() is None

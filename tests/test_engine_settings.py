@@ -153,6 +153,24 @@ def test_engines_that_run_other_kernels_or_versions_are_named_against_engine_0()
     ]
 
 
+def test_engines_of_one_kind_run_the_same_kernels_on_any_node():
+    """``kernel_kind``: the settings that pick an engine's kernels, of all its workers; the
+    actor-side settings (the same on every engine once checked) and the node do not enter."""
+    model = tiny_llama()
+    first = engine_settings.engine_settings(fake_worker(model.config))
+    v2 = engine_settings.engine_settings(fake_worker(model.config, runner="GPUModelRunnerV2"))
+    a100 = {**first, "device": "NVIDIA A100-SXM4-80GB"}
+    kind = engine_settings.kernel_kind
+    assert kind([first, dict(first)]) == kind([first])
+    assert kind([{**first, "max_model_len": "1"}]) == kind([first])
+    assert len({kind([first]), kind([v2]), kind([a100]), kind([first, a100])}) == 4
+    assert "NVIDIA A100-SXM4-80GB" in kind([a100])
+    assert engine_settings.mixed_kinds([kind([first])] * 3) is None
+    line = engine_settings.mixed_kinds([kind([first]), kind([a100]), kind([first])])
+    assert line.startswith("the weight probe holds engines to each other within a kind")
+    assert f"engines 0, 2 ({kind([first])}); engines 1 ({kind([a100])})" in line
+
+
 def test_several_differences_are_all_named_in_one_stop():
     model = tiny_llama(rope_theta=10000.0)
     actor = actor_settings(model, MAX_LEN)

@@ -78,6 +78,28 @@ def test_without_a_largest_group_every_engine_is_named():
     assert problems[1].endswith("up to 0.15 nats per token (engine 0)")  # not engine 3's 0.25
 
 
+def test_engines_are_held_to_each_other_within_their_kind_only():
+    """A mixed job (two device models, started with --drpo.allow_engine_difference device):
+    the kinds' kernels differ, so their scores may; within a kind the bits must agree."""
+    other_kernels = shifted(ACTOR, 0, 0.02)  # an A100's bf16 kernels beside an H100's
+    scores = [ACTOR, ACTOR, other_kernels, list(other_kernels)]
+    kinds = ["H100", "H100", "A100", "A100"]
+    assert engine_disagreements(scores, kinds=kinds) == ([], 0.0)
+    assert len(engine_disagreements(scores)[0]) == 4  # one kind: no largest group
+    broken = [ACTOR, ACTOR, other_kernels, shifted(other_kernels, 3, 1e-3)]
+    problems, spread = engine_disagreements(broken, kinds=kinds)
+    assert spread == pytest.approx(1e-3)
+    assert [p.split(" scores")[0] for p in problems] == ["engine 2", "engine 3"]
+    assert all("from every other engine" in p for p in problems)
+    assert problems[0].endswith("(engine 3)") and problems[1].endswith("(engine 2)")
+    odd = [ACTOR, ACTOR, shifted(ACTOR, 1, 0.1), other_kernels]
+    problems, _ = engine_disagreements(odd, kinds=["H100", "H100", "H100", "A100"])
+    assert problems == [
+        "engine 2 scores the probe differently from engines 0, 1: up to 0.1 nats per token "
+        "(engine 0)"
+    ]
+
+
 # engines against the actor
 
 

@@ -8,7 +8,9 @@ they compute with them (a rotary base, a compute dtype, a kernel the digests can
 - Engines against engines: identical engines scoring the probe alone, in the same shape, give
   the same bits (measured on an H200 and on CPU), so any per-token difference above
   ``ENGINE_TOLERANCE`` means an engine computes something else. The engines outside the
-  largest group of agreeing engines are named; without a largest group, all of them.
+  largest group of agreeing engines are named; without a largest group, all of them. Only
+  engines of one kind (device model, vLLM and torch builds: the same kernels, on any node)
+  are held to each other; a mixed job's kinds are each held to the actor.
 - Engines against the actor: the honest gap depends on hardware, kernels and precision
   (CPU toys 0.0005-0.0025 nats per token, SmolLM2-135M in bf16 0.043-0.046; on an H200 the
   same text as one row of a batch of 8 moved by 0.016, bf16 against fp32 by 0.018), so each
@@ -61,21 +63,46 @@ def probe_token_ids(tokenizer: Callable[..., Mapping[str, list[int]]], count: in
 
 
 def engine_disagreements(
-    scores: list[list[float]], tolerance: float = ENGINE_TOLERANCE
+    scores: list[list[float]],
+    tolerance: float = ENGINE_TOLERANCE,
+    kinds: list[str] | None = None,
 ) -> tuple[list[str], float]:
-    """Engines that score the probe differently from the others: ``(problems, largest)``, one
-    line per named engine and the largest per-token difference between any two engines.
+    """Engines that score the probe differently from the others of their kind:
+    ``(problems, largest)``, one line per named engine and the largest per-token difference
+    between two engines of a kind.
 
-    Engines agree when no token differs by more than ``tolerance``; they are grouped by
-    agreement with the lowest-numbered engine of each group. The largest group is taken as
-    the reference and the others named; when no group is larger than every other (two engines
-    that disagree, or three that all do), every engine is named."""
-    count = len(scores)
-    diff = [[max(abs(x - y) for x, y in zip(a, b, strict=True)) for b in scores] for a in scores]
-    largest = max((diff[i][j] for i in range(count) for j in range(i)), default=0.0)
+    ``kinds`` (one per engine; default: all one kind) says which engines run the same
+    kernels: the same device model and vLLM/torch build, on any node (``engine_settings``).
+    Only those are held to each other bit for bit; engines of other kinds (a mixed job that
+    ``--drpo.allow_engine_difference device`` let start) are not compared with each other,
+    each still against the actor. Within a kind engines agree when no token differs by more
+    than ``tolerance``; they are grouped by agreement with the lowest-numbered engine of each
+    group. The largest group is taken as the reference and the others named; when no group is
+    larger than every other (two engines that disagree, or three that all do), every engine of
+    the kind is named."""
+    kinds = kinds or [""] * len(scores)
+    problems: list[str] = []
+    largest = 0.0
+    for kind in dict.fromkeys(kinds):
+        members = [i for i, k in enumerate(kinds) if k == kind]
+        found, spread = _disagreements(scores, members, tolerance)
+        problems += found
+        largest = max(largest, spread)
+    return problems, largest
+
+
+def _disagreements(
+    scores: list[list[float]], members: list[int], tolerance: float
+) -> tuple[list[str], float]:
+    """``engine_disagreements`` among the engines ``members`` (run numbers) of one kind."""
+
+    def diff(i: int, j: int) -> float:
+        return max(abs(x - y) for x, y in zip(scores[i], scores[j], strict=True))
+
+    largest = max((diff(i, j) for i in members for j in members if j < i), default=0.0)
     groups: list[list[int]] = []
-    for i in range(count):
-        home = next((g for g in groups if diff[g[0]][i] <= tolerance), None)
+    for i in members:
+        home = next((g for g in groups if diff(g[0], i) <= tolerance), None)
         if home is None:
             groups.append([i])
         else:
@@ -89,12 +116,12 @@ def engine_disagreements(
         if group is reference:
             continue
         for i in group:
-            others = reference or [j for j in range(count) if j not in group]
-            worst = max(others, key=lambda j: diff[i][j])
+            others = reference or [j for j in members if j not in group]
+            worst = max(others, key=lambda j: diff(i, j))
             against = f"engines {_listed(reference)}" if reference else "every other engine"
             problems.append(
                 f"engine {i} scores the probe differently from {against}: up to "
-                f"{diff[i][worst]:.3g} nats per token (engine {worst})"
+                f"{diff(i, worst):.3g} nats per token (engine {worst})"
             )
     return problems, largest
 
@@ -160,14 +187,19 @@ class ProbeResult:
 
 
 def compare_probe(
-    actor: list[float], engines: list[list[float]], limits: ActorLimits, guard: str = "all"
+    actor: list[float],
+    engines: list[list[float]],
+    limits: ActorLimits,
+    guard: str = "all",
+    kinds: list[str] | None = None,
 ) -> ProbeResult:
     """Both comparisons of one probe. ``guard`` (``GUARDS``) says which of them may stop the
-    run; the other's findings are kept as notes, and an engine's baseline is set all the same."""
+    run; the other's findings are kept as notes, and an engine's baseline is set all the same.
+    ``kinds``: which engines run the same kernels (``engine_disagreements``)."""
     if guard not in GUARDS:
         raise ValueError(f"weight probe guard {guard!r} is not one of {GUARDS}")
     gaps = [probe_gap(actor, scores) for scores in engines]
-    between, spread = engine_disagreements(engines)
+    between, spread = engine_disagreements(engines, kinds=kinds)
     against_actor, notes = limits.check([mean for mean, _ in gaps])
     problems: list[str] = []
     for kind, found in (("engines", between), ("actor", against_actor)):

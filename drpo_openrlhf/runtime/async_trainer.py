@@ -85,10 +85,13 @@ class _AsyncRunBoard(ppo_trainer_async.VLLMLock.__ray_actor_class__):
                 lambda: self._version is not None and self._version >= version
             )
 
-    async def post_probe(self, when: str, ids: list[int], actor: list[float]) -> str | None:
-        """Leave a probe for the engines; returns the ``when`` of one it replaces unrun."""
+    async def post_probe(
+        self, when: str, ids: list[int], actor: list[float], kinds: list[str] | None
+    ) -> str | None:
+        """Leave a probe for the engines (``kinds``: ``VerifiedSyncTrainer._probe_kinds``);
+        returns the ``when`` of one it replaces unrun."""
         replaced = self._probe[0] if self._probe else None
-        self._probe = (when, ids, actor)
+        self._probe = (when, ids, actor, kinds)
         return replaced
 
     async def take_probe(self) -> tuple | None:
@@ -153,11 +156,12 @@ class AsyncSamplesGenerator(StoppableSamplesGenerator):
             posted = ray.get(self.board.take_probe.remote())
             if posted is None:
                 return
-            when, ids, actor = posted
+            when, ids, actor, kinds = posted
             if self._probe_limits is None:
                 self._probe_limits = ActorLimits()
             guard = self.args.drpo_run.weight_probe
-            metrics = probe_engines(self.vllm_engines, ids, actor, self._probe_limits, guard, when)
+            limits = self._probe_limits
+            metrics = probe_engines(self.vllm_engines, ids, actor, limits, guard, when, kinds)
         ray.get(self.board.post_probe_metrics.remote(metrics))
 
 
@@ -241,7 +245,8 @@ class _DRPOTrainingActor(
         return states
 
     def _post_probe(self, when: str, actor: list[float]) -> None:
-        replaced = ray.get(self.vllm_lock.post_probe.remote(when, self._probe_ids, actor))
+        posted = self.vllm_lock.post_probe.remote(when, self._probe_ids, actor, self._probe_kinds)
+        replaced = ray.get(posted)
         if replaced:
             print(
                 f"drpo_openrlhf: weight probe {replaced} skipped: no rollout began before "

@@ -174,6 +174,26 @@ def differences(
     return problems, notes
 
 
+def kernel_kind(workers: Sequence[Mapping[str, str]]) -> str:
+    """What decides the kernels an engine computes with: its workers' ``AMONG_ENGINES``
+    settings (device model, vLLM and torch builds, model runner, attention backend). Engines
+    of one kind score a text bit for bit alike, on any node (docs/reliability.md)."""
+    return "; ".join(sorted({", ".join(w[name] for name in AMONG_ENGINES) for w in workers}))
+
+
+def mixed_kinds(kinds: Sequence[str]) -> str | None:
+    """The line that names each kind's engines when there is more than one kind (a mixed
+    job: a device or build difference allowed), for the weight probe's comparisons."""
+    if len(set(kinds)) < 2:
+        return None
+    groups = {kind: [str(i) for i, k in enumerate(kinds) if k == kind] for kind in kinds}
+    listed = "; ".join(f"engines {', '.join(g)} ({kind})" for kind, g in groups.items())
+    return (
+        "the weight probe holds engines to each other within a kind of kernels only, and each "
+        f"to the actor: {listed}"
+    )
+
+
 def check(
     actor: Mapping[str, str],
     engines: Sequence[Sequence[Mapping[str, str]]],

@@ -223,15 +223,21 @@ def worker_report(raw: dict) -> WorkerReport:
 
 
 def probe_engines(
-    engines: list, ids: list[int], actor: list[float], limits: ActorLimits, guard: str, when: str
+    engines: list,
+    ids: list[int],
+    actor: list[float],
+    limits: ActorLimits,
+    guard: str,
+    when: str,
+    kinds: list[str] | None = None,
 ) -> dict[str, float]:
     """Every engine scores the probe ``ids``; compare with the actor's scores ``actor``
-    (``weight_probe.compare_probe``, each engine's limit in ``limits``), log, and stop the run
-    with ``WeightProbeError`` on what ``guard`` (``--drpo.weight_probe``) guards. Returns the
-    probe's metrics. Whoever runs it must know the engines idle and holding the weights the
-    actor scored."""
+    (``weight_probe.compare_probe``, each engine's limit in ``limits``, engines held to each
+    other within their ``kinds``), log, and stop the run with ``WeightProbeError`` on what
+    ``guard`` (``--drpo.weight_probe``) guards. Returns the probe's metrics. Whoever runs it
+    must know the engines idle and holding the weights the actor scored."""
     scores = ray.get([engine.probe_logprobs.remote(ids) for engine in engines])
-    result = compare_probe(actor, scores, limits, guard)
+    result = compare_probe(actor, scores, limits, guard, kinds)
     gaps = ", ".join(f"engine {i} mean {m:.3g} max {x:.3g}" for i, (m, x) in enumerate(result.gaps))
     spread = f"; engines differ by up to {result.engine_spread:.3g}" if len(scores) > 1 else ""
     summary = f"|vLLM - actor| log-prob over {len(actor)} fixed tokens: {gaps}{spread}"
@@ -271,6 +277,7 @@ class VerifiedSyncTrainer:
     _sync_when = "at the start of the resumed run"
     _probe_ids: list[int] | None = None
     _probe_limits: ActorLimits | None = None
+    _probe_kinds: list[str] | None = None  # per engine: ``engine_settings.kernel_kind``
     _probe_metrics: dict[str, float] | None = None
     # the version of the actor's weights (its updates so far), kept by the trainer
     _weights_version = 0
@@ -292,6 +299,10 @@ class VerifiedSyncTrainer:
         engines = ray.get([engine.engine_settings.remote() for engine in self.vllm_engines])
         allowed = self.args.drpo_run.allow_engine_difference
         print(f"drpo_openrlhf: {engine_settings.check(actor, engines, when, allowed)}", flush=True)
+        self._probe_kinds = [engine_settings.kernel_kind(workers) for workers in engines]
+        mixed = engine_settings.mixed_kinds(self._probe_kinds)
+        if mixed:
+            print(f"drpo_openrlhf: {mixed}", flush=True)
 
     def init_checkpoint_states(self):
         """Called once at the start of ``fit``, before any sync or rollout: compare what the
@@ -341,7 +352,13 @@ class VerifiedSyncTrainer:
             self._probe_limits = ActorLimits()
         guard = self.args.drpo_run.weight_probe
         self._probe_metrics = probe_engines(
-            self.vllm_engines, self._probe_ids, actor, self._probe_limits, guard, when
+            self.vllm_engines,
+            self._probe_ids,
+            actor,
+            self._probe_limits,
+            guard,
+            when,
+            self._probe_kinds,
         )
 
     def train_step(self, rollout_samples, global_step: int):
