@@ -21,8 +21,13 @@ Checks (``--checks`` picks some; docs/gpu.md says what each means and what to do
              sampling the actor's weights, a checkpoint and a final model. Then a ``TIME``
              line: each step's seconds and the last step's share per phase, from the
              run's tensorboard (OpenRLHF's train/timing/*).
+  zero2 / nccl / tp2 / ring / eval-loop / two-nodes / resume
+             the penalty run along a path of the recipes that the three runs above do not
+             take (ZeRO-2 under sleep, the non-colocated NCCL sync, tensor-parallel engines,
+             ring attention, evaluation in the loop, two nodes, a resume under sleep); SKIP
+             where this node or cluster lacks what the path needs (GPUs, nodes)
 Without a GPU the same checks run on the CPU path (vLLM CPU, gloo, sdpa, ZeRO-2), which is
-how CI runs the script; ``env`` then only reports.
+how CI runs the script; ``env`` then only reports, and the GPU-only paths are skipped.
 
     python scripts/smoke_gpu.py [--work DIR] [--checks gradient scores ...]
 """
@@ -58,12 +63,18 @@ class Outcome:
     passed: bool
     detail: str
     timing: str = ""  # a pipeline run's step times and phase shares
+    skipped: bool = False  # this node or cluster lacks what the check needs (passed too)
+
+
+def skip(reason: str) -> Outcome:
+    return Outcome(True, reason, skipped=True)
 
 
 @dataclass(frozen=True)
 class Setup:
     work: Path
-    gpus: int  # 0: the CPU path
+    gpus: int  # on this node; 0: the CPU path
+    nodes: int = 1  # of the Ray cluster the runs use (``--address``), each with ``gpus``
 
     @property
     def device(self) -> str:
@@ -136,19 +147,23 @@ def toy_policy(setup: Setup) -> tuple[Path, Path]:
     return root / "base", data
 
 
-def pipeline_command(setup: Setup, mode: str, base: Path, data: Path, out: Path) -> list[str]:
+def pipeline_command(
+    setup: Setup, mode: str, base: Path, data: Path, out: Path, path: RecipePath | None = None
+) -> list[str]:
+    """The run of ``mode``, or of the penalty mode along a recipe ``path``."""
     kl_estimate, micro, ranks = MODES[mode]
-    ranks = ranks or max(setup.gpus, 1)
+    ranks = (path.ranks if path else None) or ranks or max(setup.gpus, 1)
+    nodes = path.nodes if path else 1
     # at least 4 groups per step, a whole number per rank: a multiple of n x ranks
-    train_batch = N * ranks * -(-4 // ranks)
+    train_batch = N * ranks * nodes * -(-4 // (ranks * nodes))
     command = [
         sys.executable,
         "-m",
         "drpo_openrlhf.train",
         *("--actor.model_name_or_path", str(base), "--data.prompt_dataset", str(data)),
         *("--data.input_key", "prompt", "--data.label_key", "label", "--data.apply_chat_template"),
-        *("--actor.num_nodes", "1", "--actor.num_gpus_per_node", str(ranks)),
-        *("--vllm.num_engines", str(ranks), "--vllm.tensor_parallel_size", "1"),
+        *("--actor.num_nodes", str(nodes), "--actor.num_gpus_per_node", str(ranks)),
+        *("--vllm.num_engines", str(ranks * nodes), "--vllm.tensor_parallel_size", "1"),
         *("--rollout.batch_size", str(2 * train_batch // N)),
         *("--rollout.n_samples_per_prompt", str(N), "--rollout.max_new_tokens", "96"),
         *("--data.max_len", "192", "--train.batch_size", str(train_batch)),
@@ -175,7 +190,79 @@ def pipeline_command(setup: Setup, mode: str, base: Path, data: Path, out: Path)
             *("--ds.zero_stage", "2", "--ds.attn_implementation", "sdpa"),
             *("--vllm.enforce_eager", "--vllm.gpu_memory_utilization", "0.1"),
         ]
+    if path:  # a later value of a flag wins (argparse)
+        command = [a for a in command if a not in path.drop] + list(path.flags(data))
     return command
+
+
+@dataclass(frozen=True)
+class RecipePath:
+    """A path of the recipes (docs/launch.md) that the update modes' runs do not take: the
+    penalty run with ``flags`` added (a later value wins) and ``drop`` removed, on ``ranks``
+    actor GPUs per node (None: every GPU) of ``nodes`` nodes. It needs ``gpus`` GPUs on this
+    node (``gpu_only``: the CPU path cannot take it at all); with fewer it is skipped."""
+
+    what: str
+    flags: Callable[[Path], tuple[str, ...]] = lambda data: ()
+    drop: tuple[str, ...] = ()
+    ranks: int | None = None
+    nodes: int = 1
+    gpus: int = 1
+    gpu_only: bool = True
+
+
+COLOCATION = ("--train.colocate_all", "--vllm.enable_sleep", "--ds.enable_sleep")
+PATHS = {
+    "zero2": RecipePath(
+        "ZeRO-2 under the hybrid engine (sleep, CUDA IPC sync): ZERO_STAGE=2",
+        flags=lambda data: ("--ds.zero_stage", "2"),
+    ),
+    "nccl": RecipePath(
+        "the actor on one GPU and its vLLM engine on another, synced over NCCL through Ray "
+        "(COLOCATE=0)",
+        drop=COLOCATION,
+        ranks=1,
+        gpus=2,
+    ),
+    "tp2": RecipePath(
+        "one vLLM engine of tensor parallel 2 beside two actor ranks (VLLM_TP=2)",
+        flags=lambda data: ("--vllm.num_engines", "1", "--vllm.tensor_parallel_size", "2"),
+        ranks=2,
+        gpus=2,
+    ),
+    "ring": RecipePath(
+        "ring attention over two GPUs with flash-attn's kernels (LONG=16k)",
+        flags=lambda data: ("--ds.ring_attn_size", "2"),
+        ranks=2,
+        gpus=2,
+    ),
+    "eval-loop": RecipePath(
+        "OpenRLHF's evaluation inside the training loop, where a pending weight probe fires",
+        flags=lambda data: (
+            *("--eval.dataset", str(data), "--eval.steps", "1"),
+            *("--eval.n_samples_per_prompt", "2", "--eval.temperature", "0.6"),
+        ),
+        gpus=0,
+        gpu_only=False,
+    ),
+    "two-nodes": RecipePath(
+        "every GPU of two nodes: actor ranks and engines across nodes (--address of a "
+        "two-node Ray cluster)",
+        nodes=2,
+    ),
+}
+
+
+def missing_for(path: RecipePath, setup: Setup) -> str | None:
+    """Why this node or cluster cannot take ``path``, or None."""
+    if path.gpu_only and not setup.gpus:
+        return f"GPU only: {path.what}"
+    if setup.gpus < path.gpus:
+        return f"needs {path.gpus} GPUs on this node, it has {setup.gpus}: {path.what}"
+    if setup.nodes < path.nodes:
+        nodes = f"a Ray cluster of {path.nodes} GPU nodes, this one has {setup.nodes}"
+        return f"needs {nodes}: {path.what}"
+    return None
 
 
 def same_weights(trained: dict[str, torch.Tensor], base: dict[str, torch.Tensor]) -> bool:
@@ -266,6 +353,86 @@ def pipeline_check(mode: str) -> Callable[[Setup], Outcome]:
     return check
 
 
+def evaluated_in_loop(out: Path, base: Path) -> Outcome:
+    """A trained run that also evaluated at both steps (``--eval.steps 1``)."""
+    from drpo_openrlhf.eval.tensorboard_logs import read_scalars
+
+    trained = trained_outcome(out, base)
+    evaluated = {t: sorted(s) for t, s in read_scalars(out / "tb").items() if t.startswith("eval/")}
+    if trained.passed and (not evaluated or any(s != [1, 2] for s in evaluated.values())):
+        return Outcome(False, f"evaluation logged {evaluated} (want eval/* at steps 1 and 2)")
+    return trained
+
+
+def path_check(name: str) -> Callable[[Setup], Outcome]:
+    path = PATHS[name]
+
+    def check(setup: Setup) -> Outcome:
+        missing = missing_for(path, setup)
+        if missing:
+            return skip(missing)
+        base, data = toy_policy(setup)
+        out = setup.work / f"run-{name}"
+        command = pipeline_command(setup, "penalty", base, data, out, path)
+        judge = evaluated_in_loop if name == "eval-loop" else trained_outcome
+        return logged_run(command, out, lambda: judge(out, base))
+
+    return check
+
+
+RESUME_FLAGS = ("--ckpt.load_enable", "--drpo.max_steps", "3", "--ckpt.save_steps", "3")
+
+
+def resumed_outcome(out: Path, log: str, before: dict[str, torch.Tensor]) -> Outcome:
+    """The second run resumed the first's step-2 checkpoint (weights, optimizer, client
+    state), trained step 3 only, with vLLM sampling the actor's weights, and moved the model."""
+    from safetensors.torch import load_file
+
+    from drpo_openrlhf.eval.tensorboard_logs import read_scalars
+
+    logged = read_scalars(out / "tb")
+    problems = []
+    if "'global_step': 2" not in log or "Global step 1:" in log or "Global step 3:" not in log:
+        problems.append("it did not continue from the step-2 checkpoint at step 3")
+    objective = logged.get("train/drpo/objective", {}).get(3)
+    if objective is None or not math.isfinite(objective):
+        problems.append(f"train/drpo/objective at step 3 is {objective}")
+    gap = logged.get("train/drpo/rollout_logprob_gap", {}).get(3)
+    if gap is None or gap >= 0.05:
+        problems.append(f"rollout log-prob gap at step 3 {gap} (vLLM is not sampling the actor)")
+    final = out / "model" / "model.safetensors"
+    if not final.exists():
+        problems.append("no final model")
+    elif same_weights(load_file(final), before):
+        problems.append("the resumed step did not change the model")
+    if problems:
+        return Outcome(False, "; ".join(problems))
+    return Outcome(True, f"resumed at step 3 from global_step2, gap {gap:.3g}")
+
+
+def check_resume(setup: Setup) -> Outcome:
+    """The penalty run, then the same command resumed from its checkpoint to step 3: on a GPU
+    under sleep, where the start-up weight map is read from sleeping engines."""
+    from safetensors.torch import load_file
+
+    base, data = toy_policy(setup)
+    out = setup.work / "run-resume"
+    command = pipeline_command(setup, "penalty", base, data, out)
+    first = logged_run(command, out, lambda: trained_outcome(out, base))
+    if not first.passed:
+        return Outcome(False, f"the first run: {first.detail}", first.timing)
+    before = load_file(out / "model" / "model.safetensors")
+    log = out.with_name(out.name + "-resumed")
+    second = logged_run(
+        [*command, *RESUME_FLAGS], log, lambda: resumed_outcome(out, read(log), before)
+    )
+    return second
+
+
+def read(out: Path) -> str:
+    return out.with_name(out.name + ".log").read_text()
+
+
 EVAL_MODELS = ("first", "second")
 
 
@@ -347,8 +514,10 @@ CHECKS: dict[str, Callable[[Setup], Outcome]] = {
     "eval": check_eval,
     "sync": check_sync,
     **{mode: pipeline_check(mode) for mode in MODES},
+    **{name: path_check(name) for name in PATHS},
+    "resume": check_resume,
 }
-PIPELINE = set(MODES)
+PIPELINE = {*MODES, *PATHS, "resume"}
 
 
 # ----------------------------------------------------------------------------------- runner
@@ -368,10 +537,22 @@ def local_ray_cluster(gpus: int) -> str:
     return context.address_info["address"]
 
 
-def run_checks(names: list[str], setup: Setup) -> dict[str, Outcome]:
+def gpu_nodes(address: str) -> int:
+    """The alive nodes with GPUs of the Ray cluster at ``address``."""
+    import ray
+
+    ray.init(address=address, log_to_driver=False)
+    try:
+        return sum(1 for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU", 0) > 0)
+    finally:
+        ray.shutdown()
+
+
+def run_checks(names: list[str], setup: Setup, address: str | None = None) -> dict[str, Outcome]:
     results = {}
-    if PIPELINE & set(names):
-        os.environ["RAY_ADDRESS"] = local_ray_cluster(setup.gpus)
+    runs = [n for n in names if n in PIPELINE and not (n in PATHS and missing_for(PATHS[n], setup))]
+    if runs:  # a cluster only for runs that are not skipped
+        os.environ["RAY_ADDRESS"] = address or local_ray_cluster(setup.gpus)
     try:
         for name in names:
             try:
@@ -379,14 +560,15 @@ def run_checks(names: list[str], setup: Setup) -> dict[str, Outcome]:
             except Exception as error:  # a crashed check is a FAIL with its reason
                 outcome = Outcome(False, f"{type(error).__name__}: {error}")
             results[name] = outcome
-            print(f"{'PASS' if outcome.passed else 'FAIL'} {name}: {outcome.detail}", flush=True)
+            verdict = "SKIP" if outcome.skipped else "PASS" if outcome.passed else "FAIL"
+            print(f"{verdict} {name}: {outcome.detail}", flush=True)
             if outcome.timing:
                 print(f"TIME {name}: {outcome.timing}", flush=True)
     finally:
         if "RAY_ADDRESS" in os.environ:
             import ray
 
-            ray.shutdown()
+            ray.shutdown()  # a local cluster stops; a given one stays up
             del os.environ["RAY_ADDRESS"]
     return results
 
@@ -396,15 +578,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", type=Path, help="working directory (default: a new temporary one)")
     p.add_argument("--checks", nargs="+", choices=list(CHECKS), default=list(CHECKS))
     p.add_argument("--json", type=Path, help="also write the outcomes here")
+    p.add_argument(
+        "--address",
+        help="run the pipeline checks on this Ray cluster (e.g. two nodes started with `ray "
+        "start`, each with this node's GPU count) instead of a local one; two-nodes needs it",
+    )
     args = p.parse_args(argv)
     work = args.work or Path(tempfile.mkdtemp(prefix="drpo-smoke-"))
     work.mkdir(parents=True, exist_ok=True)
-    setup = Setup(work=work, gpus=torch.cuda.device_count())
-    results = run_checks(args.checks, setup)
+    nodes = gpu_nodes(args.address) if args.address else 1
+    setup = Setup(work=work, gpus=torch.cuda.device_count(), nodes=nodes)
+    results = run_checks(args.checks, setup, args.address)
     failed = [name for name, outcome in results.items() if not outcome.passed]
+    skipped = sum(outcome.skipped for outcome in results.values())
     if args.json:
         args.json.write_text(json.dumps({k: vars(v) for k, v in results.items()}, indent=1))
-    print(f"smoke ({setup.device}, {work}): {len(results) - len(failed)} PASS, {len(failed)} FAIL")
+    passed = len(results) - len(failed) - skipped
+    summary = f"{passed} PASS, {len(failed)} FAIL, {skipped} SKIP"
+    print(f"smoke ({setup.device}, {work}): {summary}")
     return 1 if failed else 0
 
 

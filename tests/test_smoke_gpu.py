@@ -58,6 +58,105 @@ def test_each_mode_is_a_valid_run_of_that_update_mode(mode, gpus, model_and_data
     assert value_of(command, "--ds.zero_stage") == ("3" if gpus else "2")
 
 
+PATH_SETUPS = [(gpus, 1) for gpus in range(9)] + [(gpus, 2) for gpus in (1, 8)]
+
+
+@pytest.mark.parametrize(("gpus", "nodes"), PATH_SETUPS)
+@pytest.mark.parametrize("name", list(smoke_gpu.PATHS))
+def test_each_recipe_path_is_a_valid_run_of_that_path_or_skipped(
+    name, gpus, nodes, model_and_data, tmp_path
+):
+    """Where a node (and cluster) has what a path needs, its command is a run the entry
+    point accepts, along that path and on whole groups; elsewhere the check is a SKIP that
+    names what is missing, and runs nothing."""
+    base, data = model_and_data
+    setup = smoke_gpu.Setup(work=tmp_path, gpus=gpus, nodes=nodes)
+    path = smoke_gpu.PATHS[name]
+    missing = smoke_gpu.missing_for(path, setup)
+    if missing:
+        outcome = smoke_gpu.CHECKS[name](setup)  # no toy policy here: it must not start
+        assert outcome.skipped and outcome.passed and outcome.detail == missing
+        assert path.what in missing
+        return
+    command = smoke_gpu.pipeline_command(setup, "penalty", base, data, tmp_path / "out", path)
+    train.parse(command[3:])  # what python -m drpo_openrlhf.train accepts
+    args = train.build_parser().parse_args(command[3:])
+    ranks, engines = args.__dict__["actor.num_gpus_per_node"], args.__dict__["vllm.num_engines"]
+    nodes_used, tp = args.__dict__["actor.num_nodes"], args.__dict__["vllm.tensor_parallel_size"]
+    ring = args.__dict__["ds.ring_attn_size"] or 1
+    layout = Layout(
+        ranks * nodes_used // ring,
+        smoke_gpu.N,
+        args.__dict__["rollout.batch_size"],
+        args.__dict__["train.batch_size"],
+        args.__dict__["train.micro_batch_size"],
+    )
+    assert layout.groups_fit_micro_steps
+    colocated = args.__dict__["train.colocate_all"]
+    assert colocated == (bool(gpus) and name != "nccl")
+    if colocated:  # the engines share the actor's GPUs
+        assert engines * tp == ranks * nodes_used
+    expected = {
+        "zero2": lambda: args.__dict__["ds.zero_stage"] == 2,
+        "nccl": lambda: (ranks, engines, args.__dict__["vllm.enable_sleep"]) == (1, 1, False),
+        "tp2": lambda: (ranks, engines, tp) == (2, 1, 2),
+        "ring": lambda: ring == 2 and ranks == 2 and args.__dict__["ds.packing_samples"],
+        "eval-loop": lambda: args.__dict__["eval.dataset"] == str(data),
+        "two-nodes": lambda: (nodes_used, engines) == (2, 2 * gpus),
+    }
+    assert expected[name](), command
+
+
+def test_a_skipped_check_prints_skip_and_does_not_fail_the_smoke(tmp_path, capsys):
+    code = smoke_gpu.main(["--work", str(tmp_path), "--checks", "tp2", "two-nodes"])
+    out = capsys.readouterr().out
+    assert code == 0 and "0 PASS, 0 FAIL, 2 SKIP" in out
+    assert "SKIP tp2: GPU only: one vLLM engine of tensor parallel 2" in out
+
+
+def resumed_run(out: Path, before: dict[str, torch.Tensor], step3_gap: float = 0.01) -> str:
+    """What a resumed run leaves: the first run's logs and step 3's, a final model moved
+    from ``before``; its log lines as OpenRLHF and DeepSpeed print them."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    finished_run(out, {k: v + 0.01 for k, v in before.items()})
+    with SummaryWriter(out / "tb") as writer:
+        writer.add_scalar("train/drpo/objective", 0.3, 3)
+        writer.add_scalar("train/drpo/rollout_logprob_gap", step3_gap, 3)
+    return "Loading the checkpoint ... {'global_step': 2, ...}\n... Global step 3: {...}\n"
+
+
+def test_the_resume_check_passes_a_resumed_run_and_fails_one_that_started_over(tmp_path):
+    before = {"w": torch.zeros(4)}
+    log = resumed_run(tmp_path / "run", before)
+    outcome = smoke_gpu.resumed_outcome(tmp_path / "run", log, before)
+    assert outcome.passed, outcome.detail
+    started_over = "Global step 1: {...}\n" + log
+    outcome = smoke_gpu.resumed_outcome(tmp_path / "run", started_over, before)
+    assert not outcome.passed and "did not continue from the step-2 checkpoint" in outcome.detail
+    moved = {"w": torch.zeros(4) + 0.01}  # the final model is the step-2 one
+    outcome = smoke_gpu.resumed_outcome(tmp_path / "run", log, moved)
+    assert not outcome.passed and "did not change the model" in outcome.detail
+    resumed_run(tmp_path / "stale", before, step3_gap=0.2)
+    outcome = smoke_gpu.resumed_outcome(tmp_path / "stale", log, before)
+    assert not outcome.passed and "gap at step 3 0.2" in outcome.detail
+
+
+def test_the_eval_loop_check_wants_evaluations_at_both_steps(tmp_path):
+    from safetensors.torch import save_file
+    from torch.utils.tensorboard import SummaryWriter
+
+    (tmp_path / "base").mkdir()
+    save_file({"w": torch.zeros(4)}, tmp_path / "base" / "model.safetensors")
+    finished_run(tmp_path / "run", {"w": torch.ones(4)})
+    outcome = smoke_gpu.evaluated_in_loop(tmp_path / "run", tmp_path / "base")
+    assert not outcome.passed and "want eval/* at steps 1 and 2" in outcome.detail
+    with SummaryWriter(tmp_path / "run" / "tb") as writer:
+        for step in (1, 2):
+            writer.add_scalar("eval/train_pass1", 0.5, step)
+    assert smoke_gpu.evaluated_in_loop(tmp_path / "run", tmp_path / "base").passed
+
+
 # seconds per phase at steps 1 and 2, as OpenRLHF logs them (step_total: their sum)
 TIMING = {
     "generation": (30.0, 12.0),
