@@ -47,6 +47,22 @@ run() {
   [ "$DRY_RUN" = 1 ] || "$@"
 }
 
+# Like run, then how long the command took, or that it failed and after how long.
+timed() {
+  local start=$SECONDS
+  if run "$@"; then
+    [ "$DRY_RUN" = 1 ] || echo "   done in $(elapsed "$start")"
+  else
+    echo "install_gpu.sh: failed after $(elapsed "$start"): $*" >&2
+    exit 1
+  fi
+}
+
+elapsed() {
+  local s=$((SECONDS - $1))
+  echo "$((s / 60)) min $((s % 60)) s"
+}
+
 check_cuda() {
   step "CUDA on this node: driver >= 580, GPUs flash-attn runs on, nvcc of CUDA 13"
   run "$PYTHON" scripts/gpu_install.py preflight || exit 1
@@ -95,11 +111,11 @@ install_flash_attn() {
     choice=$("$PY" scripts/gpu_install.py flash-attn)
   fi
   if [ "${choice%% *}" = wheel ]; then
-    run "${PIP[@]}" install --no-deps "${choice#wheel }"
+    timed "${PIP[@]}" install --no-deps "${choice#wheel }"
   else
     echo "   source build, 25-60 min: MAX_JOBS=${MAX_JOBS:-?} FLASH_ATTN_CUDA_ARCHS=${FLASH_ATTN_CUDA_ARCHS:-?} CUDA_HOME=${CUDA_HOME:-?}"
     # FORCE_BUILD: no second wheel guess (flash-attn 2.8.3's own maps every CUDA >= 12 to cu12)
-    run env FLASH_ATTENTION_FORCE_BUILD=TRUE "${PIP[@]}" install --no-build-isolation --no-deps "$FLASH_ATTN"
+    timed env FLASH_ATTENTION_FORCE_BUILD=TRUE "${PIP[@]}" install --no-build-isolation --no-deps "$FLASH_ATTN"
   fi
 }
 

@@ -221,6 +221,42 @@ def test_make_gpu_env_runs_the_script():
     assert "bash scripts/install_gpu.sh" in out.stdout
 
 
+FAKE_PYTHON = """#!/bin/sh
+# every python and pip call of the install succeeds at once; flash-attn: a source build,
+# which fails when FAIL_BUILD is set
+case "$*" in
+  *"gpu_install.py build-env"*) echo MAX_JOBS=1 ;;
+  *"gpu_install.py flash-attn"*) echo source ;;
+  *"install --no-build-isolation --no-deps flash-attn=="*) [ -z "$FAIL_BUILD" ] ;;
+esac
+"""
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_flash_attn_build_reports_its_time_and_result(tmp_path, fails):
+    """The whole script with every python and pip call a stand-in that succeeds at once (a
+    venv's ``bin/python`` made beforehand): the flash-attn source build says how long it
+    took; a failed build stops the install saying so, after how long, before the rest."""
+    fake = fake_tool(tmp_path / "python", FAKE_PYTHON)
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    shutil.copy(fake, tmp_path / "venv" / "bin" / "python")
+    env = {"PYTHON": fake, **({"FAIL_BUILD": "1"} if fails else {})}
+    result = install(tmp_path, **env)
+    build = result.stdout.split("source build, 25-60 min")[1]
+    if fails:
+        assert result.returncode == 1
+        assert re.search(
+            r"install_gpu.sh: failed after 0 min \d+ s: env FLASH_ATTENTION", result.stderr
+        )
+        assert "the rest of requirements.txt" not in result.stdout
+    else:
+        assert result.returncode == 0, result.stderr
+        assert re.search(
+            r"\$ env FLASH_ATTENTION_FORCE_BUILD=TRUE .*\n   done in 0 min \d+ s", build
+        )
+        assert "GPU environment ready" in result.stdout
+
+
 def test_script_is_executable_and_shellcheck_clean():
     assert os.access(SCRIPT, os.X_OK)
     exe = shutil.which(
