@@ -145,11 +145,19 @@ def exiting() -> None:
 def uninterrupted() -> Iterator[None]:
     """SIGINT and SIGTERM do nothing during the block (a stopping command's clean-up and the
     line that says why it stopped, both bounded); the handlers before it are back after."""
+    with _stop_signals_handled_by(_already_stopping):
+        yield
+
+
+@contextmanager
+def _stop_signals_handled_by(handler: Callable[[int, Any], None]) -> Iterator[None]:
+    """``handler`` for SIGINT and SIGTERM during the block, in the main thread (where Python
+    runs signal handlers; elsewhere nothing changes); one ignored stays ignored."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     previous = {
-        signum: signal.signal(signum, _already_stopping)
+        signum: signal.signal(signum, handler)
         for signum in STOP_SIGNALS
         if signal.getsignal(signum) is not signal.SIG_IGN
     }
@@ -226,19 +234,11 @@ def _signals_deferred() -> Iterator[None]:
     """SIGINT and SIGTERM noted during the block and raised again after it, to the handlers
     they had (blocking them would not do: the kernel then hands them to another thread, and
     Python runs its handler in the main thread all the same)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
     pending: list[int] = []
-    previous = {
-        signum: signal.signal(signum, lambda signum, frame: pending.append(signum))
-        for signum in STOP_SIGNALS
-        if signal.getsignal(signum) is not signal.SIG_IGN
-    }
     try:
-        yield
+        with _stop_signals_handled_by(lambda signum, frame: pending.append(signum)):
+            yield
     finally:
-        restore_signals(previous)
         for signum in dict.fromkeys(pending):
             signal.raise_signal(signum)
 
