@@ -14,11 +14,11 @@ import traceback
 
 from drpo_openrlhf import process_tree
 from drpo_openrlhf.algo import DRPOConfig
+from drpo_openrlhf.algo.baseline_rewards import METHODS
 from drpo_openrlhf.algo.config import KL_ESTIMATES, PENALTY_FORMS
+from drpo_openrlhf.algo.group_shaper import GroupRewardShaper
 from drpo_openrlhf.algo.length_reward import LENGTH_REWARDS
 from drpo_openrlhf.algo.rollout_correction import CORRECTION_FLAGS, rollout_correction
-from drpo_openrlhf.algo.shaper import GroupRewardShaper
-from drpo_openrlhf.algo.shaping import METHODS
 from drpo_openrlhf.algo.weight_probe import GUARDS as PROBE_GUARDS
 from drpo_openrlhf.flags import flag
 from drpo_openrlhf.rewards import answer_format

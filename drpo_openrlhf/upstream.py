@@ -507,7 +507,7 @@ TABLE: tuple[Patch, ...] = (
         kind=CLASS_SWAP,
         why="baselines: rewards shaped per group before advantages",
         source="openrlhf/trainer/ppo_utils/experience_maker.py",
-        ours="drpo_openrlhf.update.shaping.ShapingExperienceMaker",
+        ours="drpo_openrlhf.update.baseline_experience.ShapingExperienceMaker",
         signature=(
             "(actor_model_group: openrlhf.trainer.ray.launcher.RayActorGroup, critic_model_group: "
             "openrlhf.trainer.ray.launcher.RayActorGroup, reward_model_group: "

@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from drpo_openrlhf.algo.advantages import group_advantages
+from drpo_openrlhf.algo.baseline_rewards import shape_rewards
 from drpo_openrlhf.algo.learning_signal import signal_diagnostics
-from drpo_openrlhf.algo.shaping import shape_rewards
 
 LENGTHS = [1500, 1200, 1900, 2200, 2800, 2000, 3600, 6400, 1300, 1200]
 CORRECT = [1, 1, 1, 1, 1, 1, 1, 1, 0, 0]

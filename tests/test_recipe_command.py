@@ -16,7 +16,7 @@ import pytest
 from record_launcher_commands import FIXTURE, REPO, launch, launch_env, placeholders, scratch
 
 from drpo_openrlhf.algo import DRPOConfig
-from drpo_openrlhf.algo.shaping import METHODS as SHAPING_METHODS
+from drpo_openrlhf.algo.baseline_rewards import METHODS as SHAPING_METHODS
 from drpo_openrlhf.runtime import recipe
 from drpo_openrlhf.runtime.device import DEVICES
 from drpo_openrlhf.runtime.train_defaults import DRPO_DEFAULTS, baseline_defaults

@@ -23,9 +23,9 @@ from ray.exceptions import TaskCancelledError
 
 from drpo_openrlhf import upstream
 from drpo_openrlhf.algo import DRPOConfig
+from drpo_openrlhf.algo.group_shaper import GroupRewardShaper
 from drpo_openrlhf.algo.logprob_gap import GapLimit, gaps_by_engine, logprob_gap, pooled_gap
 from drpo_openrlhf.algo.policy_lag import PolicyLag, fresh_rows, policy_lag
-from drpo_openrlhf.algo.shaper import GroupRewardShaper
 from drpo_openrlhf.rewards.positive_engine import PositiveRewardEngine
 from drpo_openrlhf.rewards.reward_guard import RewardOptionsEngine, guard_engine_rewards
 from drpo_openrlhf.runtime import cpu_dtype
@@ -64,8 +64,8 @@ from drpo_openrlhf.sync.weight_version import (
 )
 from drpo_openrlhf.update import chunked_actor
 from drpo_openrlhf.update.actor_trainer import DRPOActorTrainer, FiniteCheckedPPOTrainer
+from drpo_openrlhf.update.baseline_experience import ShapingExperienceMaker, advantage_signal_stats
 from drpo_openrlhf.update.experience import GroupTaggingExperienceMaker
-from drpo_openrlhf.update.shaping import ShapingExperienceMaker, advantage_signal_stats
 from drpo_openrlhf.update.signal_watch import (
     NoLearningSignalError,
     SignalWatch,

@@ -33,7 +33,7 @@ USAGE = (
     "usage: python -m drpo_openrlhf.runtime.recipe NODES GPUS_PER_NODE JOB_NAME WORKDIR [FLAG ...]"
 )
 
-# algo.shaping.METHODS, written out: importing algo would load torch on every launch (about
+# algo.baseline_rewards.METHODS, written out: importing algo would load torch on every launch (about
 # 1 s); tests/test_recipe_command.py holds the two equal
 SHAPED_METHODS = ("rloo_lp", "alp", "hapo", "l1_max", "shorter_better", "laser_d")
 METHODS = ("drpo", "disco", *SHAPED_METHODS)

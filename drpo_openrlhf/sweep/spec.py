@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from drpo_openrlhf.algo.shaping import METHODS as BASELINES
+from drpo_openrlhf.algo.baseline_rewards import METHODS as BASELINES
 
 # Curve name in plots, and the parameter that traces it (paper, Figure 2)
 DISPLAY = {
@@ -212,7 +212,7 @@ def _method_problem(method: str, params: dict[str, float]) -> str | None:
         if not params["lambda"] > 0:
             return f"drpo: lambda must be > 0 or inf, got {format_value(params['lambda'])}"
         return None
-    from drpo_openrlhf.algo.shaper import GroupRewardShaper
+    from drpo_openrlhf.algo.group_shaper import GroupRewardShaper
 
     try:  # what `--shaping.method M --shaping.params ...` is checked with
         GroupRewardShaper(method, 8, **params)

@@ -30,7 +30,7 @@ DEFAULT_LIMIT = 3
 # OpenRLHF's estimators that compare each response with its own group only: a group whose
 # rewards are all equal gets zero advantages under them (the others compare across the batch)
 GROUP_RELATIVE_ESTIMATORS = frozenset({"rloo", "group_norm", "dr_grpo", "reinforce_baseline"})
-SHAPED_KEY = "shaped_reward"  # ``update/shaping.py``'s column of a baseline's rewards
+SHAPED_KEY = "shaped_reward"  # ``update/baseline_experience.py``'s column of a baseline's rewards
 
 # What to change when wrong answers fail for a reward function's reason (math_reward.py's and
 # kk_reward.py's reasons, docs/rewards.md); a reason without an entry is named without a fix.

@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from drpo_openrlhf.algo.shaper import GroupRewardShaper
-from drpo_openrlhf.algo.shaping import shape_rewards
+from drpo_openrlhf.algo.baseline_rewards import shape_rewards
+from drpo_openrlhf.algo.group_shaper import GroupRewardShaper
 
 
 def hapo_reward(length: float, ok: bool, h: float | None, w: float = 1.0, c: float = -0.7):

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from drpo_openrlhf.algo.advantages import group_advantages
-from drpo_openrlhf.algo.shaping import (
+from drpo_openrlhf.algo.baseline_rewards import (
     METHODS,
     laser_d_bucket_targets,
     laser_d_difficulty,

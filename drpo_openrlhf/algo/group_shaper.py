@@ -12,7 +12,7 @@ import math
 import numbers
 from collections.abc import Iterable, Mapping, Sequence
 
-from drpo_openrlhf.algo.shaping import (
+from drpo_openrlhf.algo.baseline_rewards import (
     check_bucket_targets,
     laser_d_target_length,
     resolve_hparams,

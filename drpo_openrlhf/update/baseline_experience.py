@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 
+from drpo_openrlhf.algo.group_shaper import GroupRewardShaper
 from drpo_openrlhf.algo.learning_signal import signal_diagnostics
-from drpo_openrlhf.algo.shaper import GroupRewardShaper
 from drpo_openrlhf.rewards.reward_guard import check_rollout_rewards
 
 
