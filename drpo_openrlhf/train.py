@@ -19,7 +19,6 @@ from drpo_openrlhf.algo.config import KL_ESTIMATES, PENALTY_FORMS
 from drpo_openrlhf.algo.group_shaper import GroupRewardShaper
 from drpo_openrlhf.algo.length_reward import LENGTH_REWARDS
 from drpo_openrlhf.algo.rollout_correction import CORRECTION_FLAGS, rollout_correction
-from drpo_openrlhf.algo.weight_probe import GUARDS as PROBE_GUARDS
 from drpo_openrlhf.flags import flag
 from drpo_openrlhf.rewards import answer_format
 from drpo_openrlhf.runtime import dynamic_filter, memory_plan, openrlhf_flags, preflight
@@ -38,6 +37,7 @@ from drpo_openrlhf.runtime.options import RunOptions, build_options
 from drpo_openrlhf.runtime.tokenizer_check import check_tokenizer
 from drpo_openrlhf.runtime.train_defaults import DRPO_DEFAULTS, baseline_defaults
 from drpo_openrlhf.sync import engine_settings
+from drpo_openrlhf.sync.weight_probe import GUARDS as PROBE_GUARDS
 from drpo_openrlhf.update import signal_watch
 from drpo_openrlhf.update.layout import layout_from_args
 from drpo_openrlhf.update.signal_watch import NoLearningSignalError

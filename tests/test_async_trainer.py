@@ -23,9 +23,7 @@ from transformers import AutoTokenizer
 
 from drpo_openrlhf import train
 from drpo_openrlhf.algo.config import DRPOConfig
-from drpo_openrlhf.algo.logprob_gap import GapLimit, LogprobGapError
 from drpo_openrlhf.algo.policy_lag import policy_lag
-from drpo_openrlhf.algo.weight_probe import WeightProbeError
 from drpo_openrlhf.runtime import async_trainer, ray_actors
 from drpo_openrlhf.runtime.graceful_stop import (
     STOP_FILE,
@@ -37,6 +35,8 @@ from drpo_openrlhf.runtime.graceful_stop import (
 from drpo_openrlhf.runtime.openrlhf_cli import openrlhf_parser
 from drpo_openrlhf.sync import sync_check, weight_version
 from drpo_openrlhf.sync.engine_tag import ENGINE_KEY
+from drpo_openrlhf.sync.logprob_gap import GapLimit, LogprobGapError
+from drpo_openrlhf.sync.weight_probe import WeightProbeError
 from drpo_openrlhf.update.signal_watch import SignalWatch
 
 GENERATOR = ppo_trainer_async.GenerateSamplesActor.__ray_actor_class__

@@ -12,10 +12,10 @@ from openrlhf.utils.config import hierarchize
 
 from drpo_openrlhf.algo.baseline_rewards import shape_rewards
 from drpo_openrlhf.algo.group_shaper import GroupRewardShaper
-from drpo_openrlhf.algo.logprob_gap import GapLimit
 from drpo_openrlhf.runtime import ray_actors
 from drpo_openrlhf.runtime.graceful_stop import StepTimes
 from drpo_openrlhf.runtime.openrlhf_cli import openrlhf_parser
+from drpo_openrlhf.sync.logprob_gap import GapLimit
 from drpo_openrlhf.update.baseline_experience import (
     ShapingExperienceMaker,
     advantage_signal_stats,

@@ -19,7 +19,6 @@ from openrlhf.utils.config import hierarchize
 from ray.exceptions import TaskCancelledError
 from time_bounds import Deadline, assert_within
 
-from drpo_openrlhf.algo.logprob_gap import GapLimit
 from drpo_openrlhf.runtime import ray_actors
 from drpo_openrlhf.runtime.graceful_stop import (
     STEP_TIMES_FILE,
@@ -32,6 +31,7 @@ from drpo_openrlhf.runtime.graceful_stop import (
     stop_advice,
 )
 from drpo_openrlhf.runtime.openrlhf_cli import openrlhf_parser
+from drpo_openrlhf.sync.logprob_gap import GapLimit
 
 OPENRLHF_TRAINER = ppo_trainer.PPOTrainer.__ray_actor_class__  # the class our trainer extends
 SAVE_STEPS = 5

@@ -7,7 +7,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from drpo_openrlhf.algo.logprob_gap import (
+from drpo_openrlhf.sync.engine_tag import (
+    ENGINE_KEY,
+    EngineTaggingEngine,
+    engine_tags,
+    pop_engine_tags,
+)
+from drpo_openrlhf.sync.logprob_gap import (
     FALLBACK_LIMIT,
     HONEST_CAP,
     MIN_LIMIT,
@@ -19,12 +25,6 @@ from drpo_openrlhf.algo.logprob_gap import (
     logprob_gap,
     pooled_gap,
     probe_gap,
-)
-from drpo_openrlhf.sync.engine_tag import (
-    ENGINE_KEY,
-    EngineTaggingEngine,
-    engine_tags,
-    pop_engine_tags,
 )
 
 

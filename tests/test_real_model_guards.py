@@ -4,7 +4,7 @@ session's ``smollm2`` fixture), through Hugging Face alone: no pipeline run, no 
 Stand-in engines are Hugging Face instances of the model (sdpa) in the dtype a CPU run takes on
 this machine (``runtime/cpu_dtype.py``: bf16 with native bf16, else fp32), as the actor runs it;
 the faults below are far larger than either dtype's rounding. What they score is what the guards
-compare (``algo/weight_probe.py``, ``algo/logprob_gap.py``). The probe is the real-model run's
+compare (``sync/weight_probe.py``, ``sync/logprob_gap.py``). The probe is the real-model run's
 (``tests/test_e2e_real_model.py``, ``--data.max_len 256``: 255 tokens). Measured here (mean
 |difference| per token, the largest token in brackets): two instances agree bit for bit; a
 rotary base x4 gives 0.199 (2.49) at 255 tokens, 0.163 (4.52) at the default 1024; responses
@@ -24,9 +24,9 @@ import torch
 from test_e2e_real_model import PAIRS, chat
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from drpo_openrlhf.algo.logprob_gap import HONEST_CAP, GapLimit, LogprobGapError, logprob_gap
-from drpo_openrlhf.algo.weight_probe import ActorLimits, compare_probe, probe_token_ids
 from drpo_openrlhf.runtime import cpu_dtype
+from drpo_openrlhf.sync.logprob_gap import HONEST_CAP, GapLimit, LogprobGapError, logprob_gap
+from drpo_openrlhf.sync.weight_probe import ActorLimits, compare_probe, probe_token_ids
 
 PROBE = 255  # the real-model run's probe: --data.max_len 256 - 1
 ROPE_FACTOR = 4.0

@@ -1,4 +1,4 @@
-"""The weight probe (``algo/weight_probe.py``, ``sync/sync_check.py``): its comparisons
+"""The weight probe (``sync/weight_probe.py``, ``sync/sync_check.py``): its comparisons
 on made-up scores, and where it runs in the trainer, without Ray: a trainer built by hand syncs
 through OpenRLHF's own ``broadcast_to_vllm`` and generates through OpenRLHF's own
 ``generate_samples`` with ``--vllm.enable_sleep``, against stand-in engines and actor group
@@ -16,7 +16,11 @@ from openrlhf.utils.config import hierarchize
 from toy_base import FIXTURES
 from transformers import AutoTokenizer
 
-from drpo_openrlhf.algo.weight_probe import (
+from drpo_openrlhf.runtime import ray_actors
+from drpo_openrlhf.runtime.graceful_stop import RolloutCanceller
+from drpo_openrlhf.runtime.openrlhf_cli import openrlhf_parser
+from drpo_openrlhf.sync import sync_check, weight_version
+from drpo_openrlhf.sync.weight_probe import (
     ACTOR_CAP,
     ACTOR_FACTOR,
     ACTOR_FLOOR,
@@ -29,10 +33,6 @@ from drpo_openrlhf.algo.weight_probe import (
     probe_text,
     probe_token_ids,
 )
-from drpo_openrlhf.runtime import ray_actors
-from drpo_openrlhf.runtime.graceful_stop import RolloutCanceller
-from drpo_openrlhf.runtime.openrlhf_cli import openrlhf_parser
-from drpo_openrlhf.sync import sync_check, weight_version
 
 ACTOR = [-1.0, -2.5, -0.25, -3.0]
 

@@ -22,8 +22,8 @@ import pytest
 from test_e2e_pipeline import train
 from test_weight_places_guard import BROKEN, PLACES, another_checkpoint, break_site_cluster
 
-from drpo_openrlhf.algo.logprob_gap import FALLBACK_LIMIT, HONEST_CAP, derived_limit
 from drpo_openrlhf.eval.tensorboard_logs import read_scalars
+from drpo_openrlhf.sync.logprob_gap import FALLBACK_LIMIT, HONEST_CAP, derived_limit
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

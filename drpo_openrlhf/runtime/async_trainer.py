@@ -42,7 +42,6 @@ from openrlhf.trainer import ppo_trainer, ppo_trainer_async
 from ray.exceptions import TaskCancelledError
 
 from drpo_openrlhf import upstream
-from drpo_openrlhf.algo.weight_probe import ActorLimits
 from drpo_openrlhf.runtime.graceful_stop import StopBeforeUpdate, stop_requested
 from drpo_openrlhf.runtime.ray_actors import (
     StoppableSamplesGenerator,
@@ -50,6 +49,7 @@ from drpo_openrlhf.runtime.ray_actors import (
     install_samples_generator,
 )
 from drpo_openrlhf.sync.sync_check import VerifiedSyncTrainer, probe_engines
+from drpo_openrlhf.sync.weight_probe import ActorLimits
 
 
 class _AsyncRunBoard(ppo_trainer_async.VLLMLock.__ray_actor_class__):

@@ -24,7 +24,6 @@ from ray.exceptions import TaskCancelledError
 from drpo_openrlhf import upstream
 from drpo_openrlhf.algo import DRPOConfig
 from drpo_openrlhf.algo.group_shaper import GroupRewardShaper
-from drpo_openrlhf.algo.logprob_gap import GapLimit, gaps_by_engine, logprob_gap, pooled_gap
 from drpo_openrlhf.algo.policy_lag import PolicyLag, fresh_rows, policy_lag
 from drpo_openrlhf.rewards.positive_engine import PositiveRewardEngine
 from drpo_openrlhf.rewards.reward_guard import RewardOptionsEngine, guard_engine_rewards
@@ -49,6 +48,7 @@ from drpo_openrlhf.sync.engine_tag import (
     pop_engine_tags,
     tag_engines,
 )
+from drpo_openrlhf.sync.logprob_gap import GapLimit, gaps_by_engine, logprob_gap, pooled_gap
 from drpo_openrlhf.sync.sync_check import (
     ProbingSamplesGenerator,
     SentDigestsActor,

@@ -2,6 +2,7 @@
 positional digest, the probe, the engines' start and tags, the vLLM worker extensions (CUDA
 and CPU). Nothing of DRPO's objective is here.
 
-May import ``algo`` (the probe's and the gap's plain-torch math); never ``update``,
-``runtime`` or ``rewards`` (checked by ``make lint``).
+The probe's and the rollout gap's statistics (``weight_probe``, ``logprob_gap``) are plain
+PyTorch, as the algorithm core is. May import ``algo``; never ``update``, ``runtime`` or
+``rewards`` (checked by ``make lint``).
 """

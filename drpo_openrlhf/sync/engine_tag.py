@@ -2,7 +2,7 @@
 
 OpenRLHF's samples generator sends each prompt to the least loaded engine
 (``samples_generator.py: SamplesGenerator._dispatch_prompts_to_vllm``) and keeps no record of
-which. The rollout log-prob gap is checked per engine (``algo.logprob_gap``), so every engine
+which. The rollout log-prob gap is checked per engine (``sync.logprob_gap``), so every engine
 is told its index in the driver's engine list once (``tag_engines``) and writes it into each
 response's ``extra_logs``, which OpenRLHF copies into ``experience.info``. The driver takes it
 out again after the check (``pop_engine_tags``): it is no metric for the actors to log.

@@ -24,7 +24,7 @@ trained for 32 steps and exited 0. These mixins close that:
   asynchronous run's generator: ``runtime/async_trainer.py``), when OpenRLHF has woken them
   under ``--vllm.enable_sleep`` and they are idle, so each scores it alone, in the same shape.
   An engine that scores it differently from the others or too far from the actor stops the
-  run (``algo/weight_probe.py``, ``--drpo.weight_probe``).
+  run (``sync/weight_probe.py``, ``--drpo.weight_probe``).
 """
 
 from __future__ import annotations
@@ -39,15 +39,15 @@ import ray
 import torch
 from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
 
-from drpo_openrlhf.algo.weight_probe import (
+from drpo_openrlhf.sync import engine_settings
+from drpo_openrlhf.sync.weight_digest import Digest, WorkerReport, check_sync, digest
+from drpo_openrlhf.sync.weight_probe import (
     PROBE_TOKENS,
     ActorLimits,
     WeightProbeError,
     compare_probe,
     probe_token_ids,
 )
-from drpo_openrlhf.sync import engine_settings
-from drpo_openrlhf.sync.weight_digest import Digest, WorkerReport, check_sync, digest
 from drpo_openrlhf.sync.weight_version import tag_version
 
 SYNC_METHODS = ("update_weight", "update_weight_cuda_ipc")

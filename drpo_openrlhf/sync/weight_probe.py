@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from drpo_openrlhf.algo.logprob_gap import probe_gap
+from drpo_openrlhf.sync.logprob_gap import probe_gap
 
 PROBE_TOKENS = 1024  # long enough for position faults (rotary base, scaling) to show
 ENGINE_TOLERANCE = 1e-6  # nats: largest per-token difference between identical engines
