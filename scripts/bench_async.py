@@ -91,7 +91,7 @@ def main() -> None:
     # the steps' times are what is measured: a rollout without a learning signal goes on
     models = {"toy": (root / "base", ("--drpo.max_steps_without_signal", "0"))}
     if args.real:
-        from drpo_openrlhf.real_model import build
+        from drpo_openrlhf.models.smollm2 import build
 
         models["smollm2-135m"] = (build(), (*models["toy"][1], *REAL_MODEL_FLAGS))
     async_flags = ("--train.async_enable", "--train.async_queue_size", str(args.queue_size))

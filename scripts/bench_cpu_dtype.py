@@ -42,7 +42,7 @@ def matmul_case(dtype: torch.dtype) -> Callable[[], object]:
 def model_cases(batch: int, tokens: int) -> dict[str, Callable[[torch.dtype], Callable]]:
     from transformers import AutoModelForCausalLM
 
-    from drpo_openrlhf.real_model import build
+    from drpo_openrlhf.models.smollm2 import build
 
     path = build()  # a stamp check once converted
     ids = torch.randint(0, 49152, (batch, tokens), generator=torch.Generator().manual_seed(0))

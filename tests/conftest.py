@@ -247,15 +247,15 @@ def toy(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def toy_llama(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The same on a Llama policy with DeepSeek-R1-Distill-Llama's chat format (the 8B
-    recipe's architecture; ``drpo_openrlhf/tiny_model.py``)."""
+    recipe's architecture; ``drpo_openrlhf/models/tiny.py``)."""
     return _toy(tmp_path_factory.mktemp("toy-llama"), "llama")
 
 
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
-    """SmolLM2-135M-Instruct, the real pretrained model (``drpo_openrlhf/real_model.py``): the
+    """SmolLM2-135M-Instruct, the real pretrained model (``drpo_openrlhf/models/smollm2.py``): the
     per-machine cached build, which ``make test`` makes before the tests; built here (about
     20-60 s) if missing."""
-    from drpo_openrlhf.real_model import build
+    from drpo_openrlhf.models.smollm2 import build
 
     return build()

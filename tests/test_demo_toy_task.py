@@ -18,8 +18,8 @@ from drpo_openrlhf.demo.toy_task import (
     write_jsonl,
 )
 from drpo_openrlhf.eval.problems import load_problems
+from drpo_openrlhf.models.tiny import build_tiny_model
 from drpo_openrlhf.rewards import grade_responses
-from drpo_openrlhf.tiny_model import build_tiny_model
 
 
 def test_problem_fields_and_steps() -> None:

@@ -12,8 +12,8 @@ import sys
 import pytest
 from time_bounds import scaled
 
+from drpo_openrlhf.models.tiny import build_tiny_model
 from drpo_openrlhf.runtime.device import ClusterDevices, DeviceError, choose_mode
-from drpo_openrlhf.tiny_model import build_tiny_model
 
 REAL_GPUS = ClusterDevices("10.0.0.1:6379", 8.0, True)
 FAKE_GPUS = ClusterDevices("127.0.0.1:6379", 2.0, False, ("n1 (127.0.0.1)",))

@@ -1,5 +1,5 @@
 """A real pretrained model through the real pipeline: SmolLM2-135M-Instruct (the session's
-``smollm2`` fixture, ``drpo_openrlhf/real_model.py``) in ``python -m drpo_openrlhf.train`` with
+``smollm2`` fixture, ``drpo_openrlhf/models/smollm2.py``) in ``python -m drpo_openrlhf.train`` with
 the vLLM CPU engine, as ``tests/test_e2e_pipeline.py`` runs the toy models.
 
 What a toy model cannot show: a real tokenizer and its ChatML template (the default answer

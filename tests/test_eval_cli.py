@@ -14,7 +14,7 @@ from time_bounds import scaled
 from drpo_openrlhf.eval import generation
 from drpo_openrlhf.eval.cli import default_name, main
 from drpo_openrlhf.eval.metrics import average_metrics
-from drpo_openrlhf.tiny_model import build_tiny_model
+from drpo_openrlhf.models.tiny import build_tiny_model
 
 FIXTURE = Path(__file__).parent / "fixtures" / "eval" / "problems.jsonl"
 GRADER_MODULE = """

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from drpo_openrlhf.eval.generation import HFBackend, Sample, SamplingSettings
 from drpo_openrlhf.eval.problems import Problem, load_problems
 from drpo_openrlhf.eval.runner import Evaluator, RunLabel, encode_prompt
-from drpo_openrlhf.tiny_model import build_tiny_model
+from drpo_openrlhf.models.tiny import build_tiny_model
 
 FIXTURE = Path(__file__).parent / "fixtures" / "eval" / "problems.jsonl"
 LABEL = RunLabel(name="tiny", method="DRPO", param="0.1", param_name="lambda")

@@ -19,14 +19,14 @@ from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from drpo_openrlhf.eval.runner import encode_prompt
-from drpo_openrlhf.runtime.tokenizer_check import check_tokenizer, tokenizer_problem
-from drpo_openrlhf.tiny_model import (
+from drpo_openrlhf.models.tiny import (
     LLAMA_ASSISTANT,
     LLAMA_BOS,
     LLAMA_EOS,
     LLAMA_USER,
     build_tiny_model,
 )
+from drpo_openrlhf.runtime.tokenizer_check import check_tokenizer, tokenizer_problem
 
 
 @pytest.fixture(scope="module")

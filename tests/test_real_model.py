@@ -1,4 +1,4 @@
-"""The real model's build (``drpo_openrlhf/real_model.py``): the stamp that keeps or rebuilds a
+"""The real model's build (``drpo_openrlhf/models/smollm2.py``): the stamp that keeps or rebuilds a
 cached build, the refusal of a missing or corrupted GGUF, the tokenizer's end-of-turn fix, and
 the built directory itself (the session's ``smollm2`` fixture: ``make test`` builds it first).
 
@@ -17,8 +17,8 @@ from safetensors import safe_open
 from toy_base import FIXTURES
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-from drpo_openrlhf import real_model
-from drpo_openrlhf.real_model import RealModelError, build, fix_tokenizer, stamp_problem
+from drpo_openrlhf.models import smollm2 as real_model
+from drpo_openrlhf.models.smollm2 import RealModelError, build, fix_tokenizer, stamp_problem
 from drpo_openrlhf.runtime.tokenizer_check import tokenizer_problem
 
 FAKE_GGUF = b"GGUF stand-in"

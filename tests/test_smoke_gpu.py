@@ -20,7 +20,7 @@ import smoke_gpu  # noqa: E402
 import smoke_gradient  # noqa: E402
 
 from drpo_openrlhf import train  # noqa: E402
-from drpo_openrlhf.tiny_model import build_tiny_model  # noqa: E402
+from drpo_openrlhf.models.tiny import build_tiny_model  # noqa: E402
 from drpo_openrlhf.update.layout import Layout  # noqa: E402
 
 

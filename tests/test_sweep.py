@@ -19,6 +19,7 @@ from drpo_openrlhf.demo.training import shared_flags
 from drpo_openrlhf.eval.metrics import aes
 from drpo_openrlhf.eval.plot import plot_tradeoff
 from drpo_openrlhf.eval.training_cost import PHASES
+from drpo_openrlhf.models.tiny import build_tiny_model
 from drpo_openrlhf.sweep import state
 from drpo_openrlhf.sweep.cli import main, pending
 from drpo_openrlhf.sweep.commands import train_argv
@@ -28,7 +29,6 @@ from drpo_openrlhf.sweep.report import write_report
 from drpo_openrlhf.sweep.spec import SweepError
 from drpo_openrlhf.sweep.status import run_states
 from drpo_openrlhf.sweep.validate import load_sweep
-from drpo_openrlhf.tiny_model import build_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "slurm" / "drpo_1.5b.sh"

@@ -8,7 +8,7 @@ the resume from the run's checkpoint, then ``drpo-sweep finish`` (the real ``drp
 the Hugging Face backend) and the done markers. Stand-in: ``ray`` (tests/fakeslurm/, as in
 tests/test_slurm_recipes.py), so no training runs: it records the submitted training command,
 and for the runs that "finish" the stand-in writes the tiny test model
-(``drpo_openrlhf.tiny_model``) as the run's final model, so that the evaluation has a model.
+(``drpo_openrlhf.models.tiny``) as the run's final model, so that the evaluation has a model.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from launch_checks import FAKE_BIN, REPO
 from slurm_cluster import SlurmCluster, module_cluster
 from time_bounds import Deadline, scaled
 
-from drpo_openrlhf.tiny_model import build_tiny_model
+from drpo_openrlhf.models.tiny import build_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +44,7 @@ if os.environ["RUN_NAME"].startswith("drpo-"):
 child = subprocess.Popen(fake)
 signal.signal(signal.SIGTERM, lambda signum, frame: child.send_signal(signum))  # teardown
 if child.wait() == 0:
-    from drpo_openrlhf.tiny_model import build_tiny_model
+    from drpo_openrlhf.models.tiny import build_tiny_model
     build_tiny_model(argv[argv.index("--ckpt.output_dir") + 1])
 sys.exit(child.returncode)
 """

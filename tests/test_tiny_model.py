@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from drpo_openrlhf.tiny_model import STAMP_FILE, _train_tokenizer, build_tiny_model
+from drpo_openrlhf.models.tiny import STAMP_FILE, _train_tokenizer, build_tiny_model
 
 TEXTS = [
     "What is 123 + 45? <think>\n123 + 45 = 168.\n</think> \\boxed{168}",

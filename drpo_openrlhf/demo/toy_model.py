@@ -1,11 +1,11 @@
 """The demo's policy before fine-tuning: a small random Qwen2 (or Llama) with the tiny test
 tokenizer.
 
-``drpo_openrlhf.tiny_model`` already builds, offline, a tokenizer whose corpus covers the toy
+``drpo_openrlhf.models.tiny`` already builds, offline, a tokenizer whose corpus covers the toy
 task's text (digits, ``<think>``, ``\\boxed``, "Wait, let me check"); its 100K-parameter model
 is too small to learn multi-step addition in minutes, so this module keeps that tokenizer and
 architecture and only changes the network's size. ``architecture="llama"`` gives the 8B
-recipe's architecture and chat format (``tiny_model``'s docstring) at the same size.
+recipe's architecture and chat format (``models.tiny``'s docstring) at the same size.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from drpo_openrlhf.tiny_model import build_model, build_tiny_model, model_config
+from drpo_openrlhf.models.tiny import build_model, build_tiny_model, model_config
 
 HEAD_DIM = 32
 

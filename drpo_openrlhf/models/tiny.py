@@ -21,7 +21,7 @@ In both, ``<think>`` and ``</think>`` are single added tokens but *not* special,
 with ``skip_special_tokens=True`` keeps them, as the math reward needs ``</think>`` in the
 response text.
 
-Usage: ``python -m drpo_openrlhf.tiny_model OUTPUT_DIR [--seed N] [--architecture llama]``.
+Usage: ``python -m drpo_openrlhf.models.tiny OUTPUT_DIR [--seed N] [--architecture llama]``.
 """
 
 from __future__ import annotations

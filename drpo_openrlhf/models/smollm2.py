@@ -24,7 +24,7 @@ stamp (the GGUF's SHA-256, this builder's version, transformers' version and eve
 size) written last; a directory without a matching stamp is rebuilt, and a build is moved
 into place only when complete, under a lock, so parallel callers build it once.
 
-Usage: ``python -m drpo_openrlhf.real_model build [--out DIR] [--force]`` prints the
+Usage: ``python -m drpo_openrlhf.models.smollm2 build [--out DIR] [--force]`` prints the
 directory (``make test`` runs it before the tests).
 """
 
@@ -229,7 +229,9 @@ def build(out: Path | None = None, force: bool = False, gguf: Path | None = None
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m drpo_openrlhf.real_model", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m drpo_openrlhf.models.smollm2", description=__doc__
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("build", help="build (or find) the model; prints its directory")
     run.add_argument("--out", type=Path, help=f"model directory (default: {default_dir()})")
