@@ -38,6 +38,8 @@ class DRPOTerms:
     effective_positives: Tensor
 
 
+# Over 80 lines with its docstring, which documents every option; its body (65 lines) is one
+# computation, read top to bottom against the paper's objective.
 def drpo_objective(
     scores: Tensor,
     correct: Tensor,
@@ -96,17 +98,9 @@ def drpo_objective(
     log_w = positive_log_weights(rewards, correct, group_ids, group_lam, log_weights)
     w = log_w.exp()
     positive = segment_sum(w * scores, index, num_groups)
-    if log_weights is None:
-        lse = segment_logsumexp(scores / tau, index, num_groups, incorrect)
-        log_n_neg = torch.log(n_neg.clamp(min=1.0))
-        baseline = torch.where(correct, 1.0 / n_pos.clamp(min=1.0)[index], 0.0)
-    else:  # the weighted mean: lse(s/tau + log rho) - lse(log rho)
-        log_weights = log_weights.to(scores.dtype)
-        lse = segment_logsumexp(scores / tau + log_weights, index, num_groups, incorrect)
-        norm = segment_logsumexp(log_weights, index, num_groups, incorrect)
-        log_n_neg = torch.where(has_neg, norm, 0.0)
-        baseline = group_normalised(log_weights, correct, index, num_groups)
-    negative = tau * torch.where(has_neg, lse - log_n_neg, 0.0)
+    negative, baseline = _negative_and_baseline(
+        scores, tau, correct, incorrect, index, num_groups, n_pos, n_neg, log_weights
+    )
 
     valid = has_pos & has_neg
     # each kind of group's term: a mixed group's, an all-wrong group's negative term, an
@@ -122,16 +116,46 @@ def drpo_objective(
     )
     per_group = torch.where(counted, term, 0.0)
 
+    loss = -per_group.sum() / num_groups
     entropy = -segment_sum(torch.where(correct, w * log_w, 0.0), index, num_groups)
-    with torch.no_grad():
+    with torch.no_grad():  # diagnostics
         effective = entropy.exp()[has_pos].mean() if has_pos.any() else scores.new_zeros(())
-        terms = dict(
+        return DRPOTerms(
+            loss=loss,
             positive_term=torch.where(valid, positive, 0.0).sum() / num_groups,
             negative_term=torch.where(valid, negative, 0.0).sum() / num_groups,
             valid_fraction=valid.to(scores.dtype).mean(),
             effective_positives=effective,
         )
-    return DRPOTerms(loss=-per_group.sum() / num_groups, **terms)
+
+
+def _negative_and_baseline(
+    scores: Tensor,
+    tau: float,
+    correct: Tensor,
+    incorrect: Tensor,
+    index: Tensor,
+    num_groups: int,
+    n_pos: Tensor,
+    n_neg: Tensor,
+    log_weights: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    """Per group, ``tau * log mean exp(s/tau)`` over its incorrect responses (0 without any),
+    and per response the all-correct signal's baseline ``1/|S+|`` on the correct ones; both
+    weighted by ``rho`` under a rollout correction (``lse(s/tau + log rho) - lse(log rho)``,
+    ``rho / sum_{S+} rho``)."""
+    has_neg = n_neg > 0
+    if log_weights is None:
+        lse = segment_logsumexp(scores / tau, index, num_groups, incorrect)
+        log_n_neg = torch.log(n_neg.clamp(min=1.0))
+        baseline = torch.where(correct, 1.0 / n_pos.clamp(min=1.0)[index], 0.0)
+    else:
+        log_weights = log_weights.to(scores.dtype)
+        lse = segment_logsumexp(scores / tau + log_weights, index, num_groups, incorrect)
+        norm = segment_logsumexp(log_weights, index, num_groups, incorrect)
+        log_n_neg = torch.where(has_neg, norm, 0.0)
+        baseline = group_normalised(log_weights, correct, index, num_groups)
+    return tau * torch.where(has_neg, lse - log_n_neg, 0.0), baseline
 
 
 def drpo_loss(

@@ -13,7 +13,7 @@ import sys
 
 from drpo_openrlhf import process_tree, upstream
 from drpo_openrlhf.runtime import cpu_dtype, cpu_support
-from drpo_openrlhf.runtime.device import resolve_mode
+from drpo_openrlhf.runtime.device import ClusterDevices, resolve_mode
 from drpo_openrlhf.runtime.openrlhf_cli import TRAIN_MODULE, openrlhf_parser
 from drpo_openrlhf.runtime.options import RunOptions
 
@@ -106,6 +106,46 @@ def _report_leftovers(line: str) -> None:
     print(f"drpo_openrlhf: local Ray cluster: {line}", file=sys.stderr, flush=True)
 
 
+def _resolve_device(openrlhf_argv: list[str], device: str) -> tuple[ClusterDevices, dict | None]:
+    """The run's cluster and, for a CPU run, OpenRLHF's flat flags (its layout checked for the
+    CPU path); a contradiction is a usage error, exit 2 as argparse's."""
+    try:
+        mode, cluster = resolve_mode(device)
+        if mode != "cpu":
+            return cluster, None
+        args = vars(openrlhf_parser().parse_args(openrlhf_argv))
+        ranks = args["actor.num_nodes"] * args["actor.num_gpus_per_node"]
+        cpu_support.check_layout(
+            args["ds.zero_stage"],
+            ranks,
+            args["ds.ring_attn_size"],
+            args["vllm.tensor_parallel_size"],
+        )
+        return cluster, args
+    except ValueError as error:  # DeviceError included
+        print(f"python -m drpo_openrlhf.train: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _start_cpu_ray(
+    openrlhf_argv: list[str], args: dict, requested_dtype: str, address: str | None
+) -> str:
+    """The CPU path enabled here and Ray started (or joined) for it; returns the CPU run's
+    parameter dtype, which ``--drpo.cpu_dtype`` decides."""
+    logger.warning("CPU run: vLLM CPU engines, gloo weight sync (docs/cpu.md)")
+    param_dtype = cpu_dtype.resolve(requested_dtype)  # before Ray: the engines' env has it
+    if "--ds.param_dtype" in openrlhf_argv and args["ds.param_dtype"] != param_dtype:
+        logger.warning(
+            "--ds.param_dtype %s is a GPU run's; on CPU --drpo.cpu_dtype decides (%s)",
+            args["ds.param_dtype"],
+            param_dtype,
+        )
+    cpu_support.enable()
+    with process_tree.keeping_sigterm():
+        init_cpu_ray(args, address)
+    return param_dtype
+
+
 def run_openrlhf(openrlhf_argv: list[str], run: RunOptions) -> None:
     """``python -m openrlhf.cli.train_ppo_ray <openrlhf_argv>`` with DRPO's update, or, when
     ``run.method`` names a baseline, with PPO on shaped rewards; ``run.max_steps`` ends it.
@@ -122,37 +162,14 @@ def run_openrlhf(openrlhf_argv: list[str], run: RunOptions) -> None:
     """
     allow_job_env_overlap()
     process_tree.quiet_ray_tip()  # before every ray.init: the probe's, ours, OpenRLHF's
-    try:
-        mode, cluster = resolve_mode(run.device)
-        cpu = mode == "cpu"
-        if cpu:
-            args = vars(openrlhf_parser().parse_args(openrlhf_argv))
-            ranks = args["actor.num_nodes"] * args["actor.num_gpus_per_node"]
-            cpu_support.check_layout(
-                args["ds.zero_stage"],
-                ranks,
-                args["ds.ring_attn_size"],
-                args["vllm.tensor_parallel_size"],
-            )
-    except ValueError as error:  # DeviceError included: a usage error, answered as argparse does
-        print(f"python -m drpo_openrlhf.train: error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
+    cluster, cpu_args = _resolve_device(openrlhf_argv, run.device)
     upstream.verify()  # before anything starts: every patched symbol is as read
     if cluster.address is None:  # ray.init starts a local cluster: the run owns its processes
         process_tree.own_until_exit(shutdown_ray, _report_leftovers)
     param_dtype = None  # a GPU run keeps --ds.param_dtype
-    if cpu:
-        logger.warning("CPU run: vLLM CPU engines, gloo weight sync (docs/cpu.md)")
-        param_dtype = cpu_dtype.resolve(run.cpu_dtype)  # before Ray: the engines' env has it
-        if "--ds.param_dtype" in openrlhf_argv and args["ds.param_dtype"] != param_dtype:
-            logger.warning(
-                "--ds.param_dtype %s is a GPU run's; on CPU --drpo.cpu_dtype decides (%s)",
-                args["ds.param_dtype"],
-                param_dtype,
-            )
-        cpu_support.enable()
-        with process_tree.keeping_sigterm():
-            init_cpu_ray(args, cluster.address)
+    if cpu_args is not None:
+        param_dtype = _start_cpu_ray(openrlhf_argv, cpu_args, run.cpu_dtype, cluster.address)
+    cpu = cpu_args is not None
 
     from drpo_openrlhf.runtime.async_trainer import DRPOAsyncTrainer
     from drpo_openrlhf.runtime.ray_actors import (
