@@ -82,9 +82,6 @@ class Layout:
             raise LayoutError(
                 "DRPO compares the responses of a prompt: set --rollout.n_samples_per_prompt >= 2"
             )
-        if self.dynamic_batching:
-            self._check_dynamic(rollout)
-            return
         if self.train_batch_size % n:
             raise LayoutError(
                 f"--train.batch_size ({self.train_batch_size} responses) must be a multiple of "
@@ -96,6 +93,8 @@ class Layout:
                 f"{rollout} responses (--rollout.batch_size x n_samples_per_prompt); otherwise "
                 "the last prompts of each rollout would be dropped"
             )
+        if self.dynamic_batching:  # the ranks' shares and micro-batches are planned per step
+            return
         if self.train_batch_size % world:
             raise LayoutError(
                 f"--train.batch_size ({self.train_batch_size} responses) must be a multiple of "
@@ -106,19 +105,6 @@ class Layout:
                 f"--train.micro_batch_size ({self.micro_batch_size}) must divide the "
                 f"{self.samples_per_step} responses each rank trains on per optimizer step "
                 "(--train.batch_size / actor ranks)"
-            )
-
-    def _check_dynamic(self, rollout: int) -> None:
-        n = self.n_samples_per_prompt
-        if self.train_batch_size % n:
-            raise LayoutError(
-                f"--train.batch_size ({self.train_batch_size}) must be a multiple of "
-                f"n_samples_per_prompt ({n}), so that optimizer steps hold whole prompt groups"
-            )
-        if rollout % self.train_batch_size:
-            raise LayoutError(
-                f"--train.batch_size ({self.train_batch_size}) must divide the rollout's "
-                f"{rollout} responses; otherwise the last prompts would be dropped"
             )
 
 
