@@ -12,7 +12,9 @@ old log-probs are recomputed with the current weights, so each call is a fresh r
 and CPU seconds are reported beside wall seconds: on a shared machine other load inflates
 wall time, not CPU time.
 
-Per call and method: CPU seconds summed over the ranks and of the slowest rank, peak RSS of
+Per call and method: pi_old's scoring (no-grad forwards of the rollout, as the driver asks
+for them before the update) and the update, apart and together as the *actor phase*;
+CPU seconds summed over the ranks and of the slowest rank, peak RSS of
 the largest rank, the actor's forwards per optimizer step (with and without grad, counted on
 the ``Actor`` module; optimizer steps counted by DeepSpeed), DRPO's mode and how many of its
 optimizer steps ran the penalty pass (``drpo/penalty_pass``).
@@ -327,7 +329,8 @@ def drop_logits(forward: Callable) -> Callable:
 
 
 def old_log_probs(actor, data: dict[str, torch.Tensor], micro: int, device: str) -> torch.Tensor:
-    """pi_old's log-probs, as OpenRLHF's experience maker gives them (not timed)."""
+    """pi_old's log-probs, as OpenRLHF's experience maker gives them: no-grad forwards of
+    ``micro`` rows of the rank's share (DRPO's are its update's micro-batches, as dealt)."""
     actor.eval()
     out = torch.zeros(data["action_mask"].shape)
     with torch.no_grad():
@@ -428,8 +431,11 @@ def run_worker(args: argparse.Namespace) -> None:
         for command in sys.stdin:
             if command.strip() != "run":
                 break
-            # a new rollout step: pi_old is the current policy (not timed, not counted)
+            # a new rollout step: pi_old is the current policy, scored as the driver would
+            # (timed apart from the update, forwards not counted)
+            before = clocks()
             old = old_log_probs(actor, data, args.micro_batch, args.device)
+            scored = clocks()
             trainer.replay_buffer.clear()
             trainer.replay_buffer.append(testing.experience(data, old, info))
             buckets.clear()
@@ -445,6 +451,8 @@ def run_worker(args: argparse.Namespace) -> None:
                 dict(
                     wall=end[0] - start[0],
                     cpu=end[1] - start[1],
+                    pi_old_wall=scored[0] - before[0],
+                    pi_old_cpu=scored[1] - before[1],
                     split=buckets,
                     optimizer_steps=actor.model.global_steps - stepped,
                     forwards_grad=forwards[True],
@@ -561,15 +569,27 @@ def summarise(result: dict, peak_tflops: float | None) -> dict[str, float]:
     """The reported quantities of one method: medians over the timed calls of sums or maxima
     over the ranks; forwards per optimizer step over all timed calls, the largest rank's."""
     calls, ranks = result["calls"], result["ranks"]
-    wall = statistics.median(c["wall"] for c in calls)
+    # the slowest rank's update; pi_old's scoring before it; the actor phase of a step, both
+    # as the driver waits for them (the parent's clock around the call)
+    wall = statistics.median(max(r["wall"] for r in c["ranks"]) for c in calls)
     steps = statistics.median(c["ranks"][0]["optimizer_steps"] for c in calls)
     tokens = sum(r["response_tokens"] for r in ranks)
     row = {"wall s per ppo_train": wall}
+    row["wall s, pi_old scoring"] = statistics.median(
+        max(r["pi_old_wall"] for r in c["ranks"]) for c in calls
+    )
+    row["wall s, actor phase"] = statistics.median(c["wall"] for c in calls)
     if "gpu" not in ranks[0]:
         cpu = statistics.median(sum(r["cpu"] for r in c["ranks"]) for c in calls)
         slowest = statistics.median(max(r["cpu"] for r in c["ranks"]) for c in calls)
         row |= {"CPU s per ppo_train": cpu, "CPU s, slowest rank": slowest}
         row |= {"CPU s per optimizer step": cpu / steps, "response tokens per CPU s": tokens / cpu}
+        row["CPU s, pi_old scoring"] = statistics.median(
+            sum(r["pi_old_cpu"] for r in c["ranks"]) for c in calls
+        )
+        row["CPU s, actor phase"] = statistics.median(
+            sum(r["pi_old_cpu"] + r["cpu"] for r in c["ranks"]) for c in calls
+        )
     row["response tokens/s"] = tokens / wall
     row["peak RSS MiB, max rank"] = max(r["peak_rss_mib"] for r in ranks)
     row["RSS growth MiB, max rank"] = max(r["peak_rss_mib"] - r["rss_before_mib"] for r in ranks)
@@ -630,13 +650,15 @@ def drpo_split(result: dict) -> list[str]:
     ]
 
 
-def pair_ratios(results: list[dict]) -> list[float]:
-    """DRPO/PPO CPU seconds (all ranks) of each turn's pair of calls: their spread."""
+def pair_ratios(results: list[dict], phase: bool = False) -> list[float]:
+    """DRPO/PPO CPU seconds (all ranks) of each turn's pair of calls, of the update or of
+    the actor phase (``phase``: pi_old's scoring too): their spread."""
+
+    def cpu(call: dict) -> float:
+        return sum(r["cpu"] + (r["pi_old_cpu"] if phase else 0.0) for r in call["ranks"])
+
     calls = {r["method"]: r["calls"] for r in results}
-    return [
-        sum(r["cpu"] for r in d["ranks"]) / sum(r["cpu"] for r in p["ranks"])
-        for d, p in zip(calls["drpo"], calls["ppo"], strict=True)
-    ]
+    return [cpu(d) / cpu(p) for d, p in zip(calls["drpo"], calls["ppo"], strict=True)]
 
 
 def number(value: float) -> str:
@@ -691,10 +713,12 @@ def report(
         ratio = both and key in rows["ppo"] and key in rows["drpo"] and rows["ppo"][key]
         lines.append(line + (f"{rows['drpo'][key] / rows['ppo'][key]:12.3f}" if ratio else ""))
     if both:
-        ratios = pair_ratios(results)
-        lines.append(
-            f"DRPO/PPO CPU s of each turn's pair of calls: {min(ratios):.3f} .. {max(ratios):.3f}"
-        )
+        for phase, what in ((False, "update"), (True, "actor phase")):
+            ratios = pair_ratios(results, phase)
+            lines.append(
+                f"DRPO/PPO CPU s of each turn's pair of calls, {what}: "
+                f"{min(ratios):.3f} .. {max(ratios):.3f}"
+            )
     for r in results:
         calls = ", ".join(
             f"{c['wall']:.2f}/{sum(x['cpu'] for x in c['ranks']):.2f}" for c in r["calls"]
@@ -714,12 +738,12 @@ def main(argv: list[str] | None = None) -> None:
     load_before = os.getloadavg()[0]
     results = measure(args)
     rows = {r["method"]: summarise(r, gpu_peak(args, results)) for r in results}
-    print(report(args, results, rows, (load_before, os.getloadavg()[0])))
+    text = report(args, results, rows, (load_before, os.getloadavg()[0]))
+    print(text)
     if args.json:
         setup = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-        args.json.write_text(
-            json.dumps({"args": setup, "summary": rows, "results": results}, indent=2)
-        )
+        out = {"args": setup, "summary": rows, "results": results, "report": text}
+        args.json.write_text(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":

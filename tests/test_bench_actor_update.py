@@ -66,7 +66,14 @@ def test_one_pass_layout_runs_ppo_forward_count(tmp_path):
         for key in ("CPU s per ppo_train", "CPU s, slowest rank", "peak RSS MiB, max rank"):
             assert row[key] > 0
         assert row["CPU s, slowest rank"] <= row["CPU s per ppo_train"]
+        # the actor phase: pi_old's scoring (timed apart, its forwards not counted above) and
+        # the update; one timed call, so the medians add up
+        assert row["CPU s, pi_old scoring"] > 0 and row["wall s, pi_old scoring"] > 0
+        phase = row["CPU s, pi_old scoring"] + row["CPU s per ppo_train"]
+        assert row["CPU s, actor phase"] == pytest.approx(phase)
+        assert row["wall s, actor phase"] >= row["wall s per ppo_train"]
     assert got["summary"]["drpo"]["penalty-pass steps per call"] == 0
+    assert "DRPO/PPO CPU s of each turn's pair of calls, actor phase: " in got["report"]
 
 
 @pytest.mark.slow
