@@ -328,10 +328,15 @@ def trained_outcome(out: Path, base: Path) -> Outcome:
     return Outcome(True, detail, timing)
 
 
+def log_path(out: Path) -> Path:
+    """Where ``logged_run`` writes the output of a run into ``out``."""
+    return out.with_name(out.name + ".log")
+
+
 def logged_run(command: list[str], out: Path, judge: Callable[[], Outcome]) -> Outcome:
     """Run ``command`` with its output in ``out``.log; a non-zero exit fails with the log's
     tail, else ``judge`` says what the run left."""
-    log = out.with_name(out.name + ".log")
+    log = log_path(out)
     clock = time.monotonic()
     with log.open("w") as sink:
         done = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S)
@@ -422,15 +427,9 @@ def check_resume(setup: Setup) -> Outcome:
     if not first.passed:
         return Outcome(False, f"the first run: {first.detail}", first.timing)
     before = load_file(out / "model" / "model.safetensors")
-    log = out.with_name(out.name + "-resumed")
-    second = logged_run(
-        [*command, *RESUME_FLAGS], log, lambda: resumed_outcome(out, read(log), before)
-    )
-    return second
-
-
-def read(out: Path) -> str:
-    return out.with_name(out.name + ".log").read_text()
+    resumed = out.with_name(out.name + "-resumed")  # the same run directory, its own log
+    judge = lambda: resumed_outcome(out, log_path(resumed).read_text(), before)  # noqa: E731
+    return logged_run([*command, *RESUME_FLAGS], resumed, judge)
 
 
 EVAL_MODELS = ("first", "second")
