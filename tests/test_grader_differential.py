@@ -29,17 +29,31 @@ from grader_corpus import Pair, pairs
 THINK_END = "</think>"
 
 
+CORPUS_TIMEOUT_S = 120
+"""The verdicts are the subject here, not the graders' speed: under ``make test`` a loaded
+2-core CPU may take more than the default 5 s on one answer, in the project's grader or in
+plain math-verify, whose timeout silently reads as a wrong answer; each side gets this."""
+
+
 def plain_verdict(response: str, label: str) -> bool:
     """Plain math-verify as a user calls it: the label (each acceptable answer of a list
-    label) as written, the text after ``</think>`` as the prediction."""
+    label) as written, the text after ``</think>`` as the prediction, with time enough
+    that a loaded CPU cannot turn a verdict into a timeout."""
     from math_verify import parse, verify
 
     golds = [label]
     if label.startswith('["'):
         golds = json.loads(label)
     answer = response.split(THINK_END, 1)[1] if THINK_END in response else response
-    pred = parse(answer)
-    return any(verify(parse(as_written(g)), pred) for g in golds)
+    pred = parse(answer, parsing_timeout=CORPUS_TIMEOUT_S)
+    return any(
+        verify(
+            parse(as_written(g), parsing_timeout=CORPUS_TIMEOUT_S),
+            pred,
+            timeout_seconds=CORPUS_TIMEOUT_S,
+        )
+        for g in golds
+    )
 
 
 def as_written(gold: str) -> str:
@@ -131,12 +145,6 @@ EXPLAINED: dict[tuple[str, str], str] = {
     ("E_{1},E_{2}", "E_1, E_2"): BRACED_SUBSCRIPT,
     ("E_{1},E_{2}", "E_1,E_2"): BRACED_SUBSCRIPT,
 }
-
-
-CORPUS_TIMEOUT_S = 120.0
-"""The verdicts are the subject here, not the grader's speed: under ``make test`` a loaded
-2-core CPU may give one answer more than the default 5 s of grader time, and a ``timeout``
-verdict would read as a changed difference from plain math-verify."""
 
 
 @pytest.fixture(scope="module")
