@@ -99,7 +99,7 @@ TABLE: tuple[Patch, ...] = (
             "log-probs"
         ),
         source="openrlhf/trainer/ray/ppo_actor.py",
-        ours="drpo_openrlhf.runtime.ray_actors.DRPOPolicyModelActor",
+        ours="drpo_openrlhf.runtime.policy_actors.DRPOPolicyModelActor",
         signature="(*args, **kwargs)",
     ),
     Patch(
@@ -109,7 +109,7 @@ TABLE: tuple[Patch, ...] = (
         kind=REPLACED,
         why=("the vLLM engine actor: our worker extension, reward guard, positive reward, tags"),
         source="openrlhf/trainer/ray/vllm_engine.py",
-        ours="drpo_openrlhf.runtime.ray_actors.CPURolloutRayActor",
+        ours="drpo_openrlhf.runtime.engine_actors.CPURolloutRayActor",
         signature="(*args, **kwargs)",
     ),
     Patch(
@@ -677,7 +677,7 @@ TABLE: tuple[Patch, ...] = (
         kind=OVERRIDDEN,
         why="installs the engine wait, chunked log-probs and DRPO's trainer",
         source="openrlhf/trainer/ray/ppo_actor.py",
-        ours="drpo_openrlhf.runtime.ray_actors.DRPOPolicyModelActor",
+        ours="drpo_openrlhf.runtime.policy_actors.DRPOPolicyModelActor",
         signature=(
             "(self, strategy: openrlhf.utils.deepspeed.deepspeed.DeepspeedStrategy, pretrain, "
             "max_steps=None, vllm_engines=None, *, _ray_trace_ctx=None)"
@@ -690,7 +690,7 @@ TABLE: tuple[Patch, ...] = (
         kind=OVERRIDDEN,
         why="DRPO's settings in the client states; a completeness marker",
         source="openrlhf/trainer/ray/ppo_actor.py",
-        ours="drpo_openrlhf.runtime.ray_actors.DRPOPolicyModelActor",
+        ours="drpo_openrlhf.runtime.policy_actors.DRPOPolicyModelActor",
         signature=(
             "(self, tag, client_states=None, metric_value=None, metric_key=None, *, "
             "_ray_trace_ctx=None)"
@@ -818,7 +818,7 @@ TABLE: tuple[Patch, ...] = (
             "(create_vllm_engines hard-codes bfloat16; runtime/cpu_dtype.py)"
         ),
         source="openrlhf/trainer/ray/vllm_engine.py",
-        ours="drpo_openrlhf.runtime.ray_actors.CPURolloutRayActor",
+        ours="drpo_openrlhf.runtime.engine_actors.CPURolloutRayActor",
         signature=(
             "(self, *args, bundle_indices: list = None, agent_func_path: Optional[str] = None, "
             "remote_rm_url: Optional[str] = None, mm_pad_token_ids: Optional[set] = None, "

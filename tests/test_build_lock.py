@@ -81,7 +81,7 @@ def test_the_actors_start_under_the_watch(monkeypatch):
     watch: the parent's start, replaced, sees the watch's thread."""
     from openrlhf.trainer.ray import ppo_actor
 
-    from drpo_openrlhf.runtime import ray_actors
+    from drpo_openrlhf.runtime import policy_actors
     from drpo_openrlhf.sync import engine_start
 
     class Seen(Exception):
@@ -94,7 +94,7 @@ def test_the_actors_start_under_the_watch(monkeypatch):
         ppo_actor.PolicyModelActor.__ray_actor_class__, "init_model_from_pretrained", parent_start
     )
     monkeypatch.setattr(engine_start, "install", lambda: None)
-    for actor in (ray_actors._DRPOPolicyModelActor, ray_actors._BaselinePolicyModelActor):
+    for actor in (policy_actors._DRPOPolicyModelActor, policy_actors._BaselinePolicyModelActor):
         with pytest.raises(Seen) as seen:
             actor.init_model_from_pretrained(object.__new__(actor), None)
         assert "build-lock-watch" in seen.value.args[0]

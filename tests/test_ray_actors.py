@@ -14,7 +14,7 @@ from time_bounds import scaled
 
 @pytest.mark.slow
 def test_drpo_policy_actor_is_a_ray_actor_subclass_of_openrlhfs(fake_gpu_ray):
-    from drpo_openrlhf.runtime.ray_actors import DRPOPolicyModelActor
+    from drpo_openrlhf.runtime.policy_actors import DRPOPolicyModelActor
 
     actor = DRPOPolicyModelActor.options(num_cpus=1, num_gpus=1).remote(1, 0, None, None)
     names = ray.get(

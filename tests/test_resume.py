@@ -53,7 +53,7 @@ def resume_worker(rank: int, port: int, ckpt_dir: str, out: str) -> None:
     from drpo_openrlhf import testing
 
     testing.set_rank_env(rank, 1, port)
-    from drpo_openrlhf.runtime import ray_actors
+    from drpo_openrlhf.runtime import policy_actors
 
     # uninterrupted: two rollouts (with an EMA model, whose update is recorded, not run)
     strategy, actor, trainer = fresh_trainer(ckpt_dir)
@@ -66,7 +66,7 @@ def resume_worker(rank: int, port: int, ckpt_dir: str, out: str) -> None:
     # interrupted: one rollout, checkpoint through the DRPO actor class, new engine, resume
     strategy, actor, trainer = fresh_trainer(ckpt_dir)
     train_rollout(actor, trainer, 0)
-    policy = ray_actors._DRPOPolicyModelActor.__new__(ray_actors._DRPOPolicyModelActor)
+    policy = policy_actors._DRPOPolicyModelActor.__new__(policy_actors._DRPOPolicyModelActor)
     policy.strategy, policy.actor, policy.trainer = strategy, actor, trainer
     policy.disable_ds_ckpt, policy.save_hf_ckpt = False, False
     with testing.cuda_queries_answered("cpu", 0):
@@ -89,7 +89,7 @@ def resume_worker(rank: int, port: int, ckpt_dir: str, out: str) -> None:
 
 @pytest.mark.slow
 def test_resume_continues_like_an_uninterrupted_run(tmp_path):
-    from drpo_openrlhf.runtime import ray_actors
+    from drpo_openrlhf.runtime import policy_actors
 
     out = tmp_path / "result.pt"
     spawn_ranks(resume_worker, (free_port(), str(tmp_path / "ckpt"), str(out)), 1)
@@ -98,7 +98,7 @@ def test_resume_continues_like_an_uninterrupted_run(tmp_path):
         assert torch.equal(a, b)
     assert result["states"]["global_step"] == 1
     assert result["ema_calls"] == result["micro_steps"]  # once per micro-step, as OpenRLHF
-    assert result["states"][ray_actors.DRPO_STATE] == asdict(drpo_config(CASE))
+    assert result["states"][policy_actors.DRPO_STATE] == asdict(drpo_config(CASE))
     initial = [p.detach() for p in tiny_model().parameters()]
     assert any(not torch.equal(a, i) for a, i in zip(result["resumed"], initial, strict=True))
 
@@ -106,16 +106,16 @@ def test_resume_continues_like_an_uninterrupted_run(tmp_path):
 def test_changed_settings_on_resume_are_reported(caplog, monkeypatch):
     """The DRPO actor, as it enables DRPO on OpenRLHF's trainer, warns when the checkpoint it
     resumes from saved other DRPO settings, naming each one that changed."""
-    from drpo_openrlhf.runtime import ray_actors
+    from drpo_openrlhf.runtime import policy_actors
     from drpo_openrlhf.update.actor_trainer import DRPOActorTrainer
 
     enabled = []
     monkeypatch.setattr(DRPOActorTrainer, "enable_drpo", lambda _, config: enabled.append(config))
-    policy = ray_actors._DRPOPolicyModelActor.__new__(ray_actors._DRPOPolicyModelActor)
+    policy = policy_actors._DRPOPolicyModelActor.__new__(policy_actors._DRPOPolicyModelActor)
     policy.trainer = DRPOActorTrainer.__new__(DRPOActorTrainer)
 
     def resume(saved: dict | None, config: DRPOConfig) -> str:
-        policy.checkpoint_states = {} if saved is None else {ray_actors.DRPO_STATE: saved}
+        policy.checkpoint_states = {} if saved is None else {policy_actors.DRPO_STATE: saved}
         caplog.clear()
         with caplog.at_level(logging.WARNING):
             policy._enable_drpo(config)

@@ -107,7 +107,7 @@ def test_the_options_are_frozen_and_survive_pickling(tmp_path):
 
 
 def test_the_checkpoint_keeps_the_drpo_settings_as_before():
-    """What a checkpoint stores of the run (``ray_actors.DRPO_STATE``) is the config's dict,
+    """What a checkpoint stores of the run (``policy_actors.DRPO_STATE``) is the config's dict,
     with the same keys and values as before the options were typed."""
     drpo = train.parse([*BASE, "--drpo.lam", "0.2"])[0].drpo
     assert asdict(drpo) == asdict(DRPOConfig(lam=0.2, max_len=512))  # C resolved

@@ -256,12 +256,12 @@ def entry_point(monkeypatch):
 
 
 def test_main_runs_openrlhf_with_the_drpo_actors(entry_point):
-    from drpo_openrlhf.runtime import ray_actors
+    from drpo_openrlhf.runtime import engine_actors, policy_actors, ray_actors
 
     seen = entry_point
     train.main([*BASE, "--drpo.lam", "0.2", "--drpo.max_steps", "7"])
     assert seen["name"] == "openrlhf.cli.train_ppo_ray" and seen["run_name"] == "__main__"
-    assert seen["actor"] is ray_actors.DRPOPolicyModelActor
+    assert seen["actor"] is policy_actors.DRPOPolicyModelActor
     assert seen["trainer"] is ray_actors.GroupAwarePPOTrainer
     assert seen["args"].drpo_run.method is None and seen["args"].drpo_run.max_steps == 7
     assert seen["args"].drpo.lam == 0.2 and seen["args"].algo.kl.init_coef == 0
@@ -269,7 +269,7 @@ def test_main_runs_openrlhf_with_the_drpo_actors(entry_point):
     # no GPU here: CPU support on, Ray started for the run's own argv, CPU vLLM engines
     assert seen["cpu"][0] == "enable"
     assert seen["cpu"][1]["actor.model_name_or_path"] == "some/model"
-    assert seen["rollout"] is ray_actors.CPURolloutRayActor
+    assert seen["rollout"] is engine_actors.CPURolloutRayActor
 
 
 def test_a_drpo_run_takes_the_correction_flags_from_openrlhfs_loss(entry_point):
@@ -399,11 +399,11 @@ def test_main_in_baseline_mode_keeps_openrlhfs_actor(entry_point):
     """Baselines train with OpenRLHF's PPO update; only the sync check, the complete-checkpoint
     marker, chunked log-probs and the non-finite update check are added to it."""
     from drpo_openrlhf.runtime.checkpoints import CompleteCheckpointActor
-    from drpo_openrlhf.runtime.ray_actors import (
+    from drpo_openrlhf.runtime.policy_actors import (
         BaselinePolicyModelActor,
-        GroupAwarePPOTrainer,
         _BaselinePolicyModelActor,
     )
+    from drpo_openrlhf.runtime.ray_actors import GroupAwarePPOTrainer
     from drpo_openrlhf.sync.sync_check import SentDigestsActor
 
     train.main([*BASE, "--shaping.method", "hapo", "--shaping.params", "w=1"])

@@ -10,7 +10,7 @@ runs actor, reference and engines in fp32, the same arithmetic at a fraction of 
 
 ``resolve`` is the one place that decides, in the driver, once: the actor side reads the
 result from ``args.ds.param_dtype`` (``launch.run_openrlhf`` sets it), the vLLM engines from
-``ENV`` in the job's runtime environment (``ray_actors.CPURolloutRayActor``). A GPU run never
+``ENV`` in the job's runtime environment (``engine_actors.CPURolloutRayActor``). A GPU run never
 calls it.
 """
 

@@ -2,11 +2,11 @@
 
 OpenRLHF assumes CUDA in a handful of places; each patch below names the upstream line it
 works around and is a row of ``drpo_openrlhf.upstream`` (installed by its ``apply``).
-``enable()`` installs them in the calling process and does nothing where CUDA is available,
-so a GPU run is never touched. ``launch.run_openrlhf`` makes Ray call it at the
-start of every worker process of a CPU run (``worker_process_setup_hook``), and the vLLM
-engines get ``vllm_cpu_worker.CPUWorkerWrap`` as their worker extension, which receives
-weights over gloo.
+``enable()`` installs them in the calling process (OpenRLHF's once its model side is
+imported) and does nothing where CUDA is available, so a GPU run is never touched.
+``launch.run_openrlhf`` makes Ray call it at the start of every worker process of a CPU run
+(``worker_process_setup_hook``), and the vLLM engines get ``vllm_cpu_worker.CPUWorkerWrap``
+as their worker extension, which receives weights over gloo.
 
 Weight sync on CPU is the gloo group of ``sync/gloo_group.py``; Ray's collective gloo group
 would re-use the process's default group, which DeepSpeed and vLLM already own.
@@ -14,7 +14,11 @@ would re-use the process's default group, which DeepSpeed and vLLM already own.
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
 import logging
+import sys
+from collections.abc import Callable
 
 import torch
 
@@ -111,7 +115,41 @@ def _fp32_dtype(convert):
     return convert_with_fp32
 
 
+# The OpenRLHF module every process that runs a model or the trainer imports (the policy,
+# reference and reward actors' base classes; ppo_trainer's actor groups), and a vLLM engine's
+# does not: the OpenRLHF patches wait for it, so that an engine's process, whose Ray worker
+# runs ``enable`` too, imports no DeepSpeed (about 3 CPU-s of every engine's start-up).
+MODEL_SIDE = "openrlhf.trainer.ray.launcher"
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``then`` once the module ``name`` has been executed, the first time it is imported
+    (Python has no post-import hook): its spec comes from the path finder, whose loader runs
+    ``then`` after the module's code."""
+
+    def __init__(self, name: str, then: Callable[[], None]):
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is not None and spec.loader is not None:
+            exec_module = spec.loader.exec_module
+
+            def exec_then(module):
+                exec_module(module)
+                self.then()
+
+            spec.loader.exec_module = exec_then  # type: ignore[method-assign]
+        return spec
+
+
 def _patch_openrlhf() -> None:
+    """The OpenRLHF patches; run once ``MODEL_SIDE`` is imported, when every module they patch
+    can be (``ppo_actor``, if it is the importer, is past the names patched)."""
+
     from torch.distributed.device_mesh import init_device_mesh
 
     upstream.apply(
@@ -147,10 +185,9 @@ def enable() -> None:
         },
     )
     _enabled = True
-    try:
+    if MODEL_SIDE in sys.modules:
         _patch_openrlhf()
-    except ImportError:  # a Ray worker that never imports OpenRLHF (e.g. the job supervisor)
-        _enabled = False
-        raise
+    else:
+        sys.meta_path.insert(0, _AfterImport(MODEL_SIDE, _patch_openrlhf))
     end_workers_without_teardown()
     logger.info("no CUDA device: OpenRLHF runs on CPU (drpo_openrlhf.runtime.cpu_support)")

@@ -172,13 +172,9 @@ def run_openrlhf(openrlhf_argv: list[str], run: RunOptions) -> None:
     cpu = cpu_args is not None
 
     from drpo_openrlhf.runtime.async_trainer import DRPOAsyncTrainer
-    from drpo_openrlhf.runtime.ray_actors import (
-        BaselinePolicyModelActor,
-        CPURolloutRayActor,
-        DRPOPolicyModelActor,
-        GPURolloutRayActor,
-        GroupAwarePPOTrainer,
-    )
+    from drpo_openrlhf.runtime.engine_actors import CPURolloutRayActor, GPURolloutRayActor
+    from drpo_openrlhf.runtime.policy_actors import BaselinePolicyModelActor, DRPOPolicyModelActor
+    from drpo_openrlhf.runtime.ray_actors import GroupAwarePPOTrainer
 
     def with_drpo(hierarchize):
         def hierarchize_with_drpo(args):

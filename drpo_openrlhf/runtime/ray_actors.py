@@ -1,4 +1,7 @@
-"""The Ray actor classes a DRPO (or baseline) run uses in place of OpenRLHF's.
+"""The driver-side trainer actor a DRPO (or baseline) run uses in place of OpenRLHF's
+``PPOTrainer``, and the hooks its asynchronous twin shares (``async_trainer``); the policy
+and engine actors are ``policy_actors`` and ``engine_actors``, so that no actor's process
+imports another one's side.
 
 Ray forbids subclassing a ``@ray.remote`` class, so we subclass the undecorated classes and
 decorate ours. They live in an importable module: Ray pickles them by reference, so every
@@ -9,28 +12,19 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import time
 from contextlib import nullcontext
-from dataclasses import asdict
 
 import ray
 import torch
 from openrlhf.trainer import ppo_trainer
 from openrlhf.trainer.ppo_utils import samples_generator
-from openrlhf.trainer.ray import ppo_actor, vllm_engine
+from openrlhf.trainer.ray import vllm_engine
 from ray.exceptions import TaskCancelledError
 
 from drpo_openrlhf import upstream
-from drpo_openrlhf.algo import DRPOConfig
 from drpo_openrlhf.algo.group_shaper import GroupRewardShaper
 from drpo_openrlhf.algo.policy_lag import PolicyLag, fresh_rows, policy_lag
-from drpo_openrlhf.rewards.positive_engine import PositiveRewardEngine
-from drpo_openrlhf.rewards.reward_guard import RewardOptionsEngine, guard_engine_rewards
-from drpo_openrlhf.runtime import cpu_dtype
-from drpo_openrlhf.runtime.build_lock import BuildLockWatch
-from drpo_openrlhf.runtime.checkpoints import CompleteCheckpointActor
-from drpo_openrlhf.runtime.cpu_support import CPU_WORKER_EXTENSION
 from drpo_openrlhf.runtime.dynamic_filter import FilteringSamplesGenerator
 from drpo_openrlhf.runtime.graceful_stop import (
     RolloutCanceller,
@@ -43,7 +37,6 @@ from drpo_openrlhf.runtime.graceful_stop import (
 )
 from drpo_openrlhf.sync import engine_start
 from drpo_openrlhf.sync.engine_tag import (
-    EngineTaggingEngine,
     engine_tags,
     pop_engine_tags,
     tag_engines,
@@ -51,19 +44,13 @@ from drpo_openrlhf.sync.engine_tag import (
 from drpo_openrlhf.sync.logprob_gap import GapLimit, gaps_by_engine, logprob_gap, pooled_gap
 from drpo_openrlhf.sync.sync_check import (
     ProbingSamplesGenerator,
-    SentDigestsActor,
-    SyncReportingEngine,
     VerifiedSyncTrainer,
 )
-from drpo_openrlhf.sync.vllm_sync_worker import GPU_WORKER_EXTENSION
 from drpo_openrlhf.sync.weight_version import (
-    WeightVersionEngine,
     pop_version_tags,
     response_versions,
     tag_version,
 )
-from drpo_openrlhf.update import chunked_actor
-from drpo_openrlhf.update.actor_trainer import DRPOActorTrainer, FiniteCheckedPPOTrainer
 from drpo_openrlhf.update.baseline_experience import ShapingExperienceMaker, advantage_signal_stats
 from drpo_openrlhf.update.experience import GroupTaggingExperienceMaker
 from drpo_openrlhf.update.signal_watch import (
@@ -73,68 +60,8 @@ from drpo_openrlhf.update.signal_watch import (
 )
 
 logger = logging.getLogger(__name__)
-# our keys in OpenRLHF's checkpoint client state
-DRPO_STATE, SHAPING_STATE, GAP_STATE = "drpo", "shaping", "logprob_gap"
-
-
-def warn_if_settings_changed(saved: dict | None, config: DRPOConfig) -> None:
-    """Warn when a run resumes with other DRPO settings than its checkpoint saved (None: a
-    fresh start), naming each one that changed: a resume may change the loss, not silently."""
-    current = asdict(config)
-    if saved is None or saved == current:
-        return
-    changed = sorted(
-        k
-        for k in saved.keys() | current.keys()
-        if k not in saved or k not in current or saved[k] != current[k]
-    )
-    logger.warning(
-        "resuming with different DRPO settings: %s",
-        ", ".join(f"{k}: {_setting(saved, k)} -> {_setting(current, k)}" for k in changed),
-    )
-
-
-def _setting(settings: dict, key: str) -> str:
-    return repr(settings[key]) if key in settings else "(absent)"
-
-
-class _BaselinePolicyModelActor(
-    CompleteCheckpointActor, SentDigestsActor, ppo_actor.PolicyModelActor.__ray_actor_class__
-):
-    """OpenRLHF's actor (baselines' PPO update) whose weight syncs are checked and whose
-    log-probs are computed in chunks, as DRPO's."""
-
-    def init_model_from_pretrained(self, strategy, *args, **kwargs):
-        engine_start.install()
-        with BuildLockWatch():  # DeepSpeed builds its ops here
-            super().init_model_from_pretrained(strategy, *args, **kwargs)
-        chunked_actor.install(self.actor, strategy.args.drpo_run.logprob_chunk_tokens)
-        upstream.swap_class(self.trainer, FiniteCheckedPPOTrainer)
-
-
-class _DRPOPolicyModelActor(
-    CompleteCheckpointActor, SentDigestsActor, ppo_actor.PolicyModelActor.__ray_actor_class__
-):
-    def init_model_from_pretrained(self, strategy, *args, **kwargs):
-        engine_start.install()
-        with BuildLockWatch():  # DeepSpeed builds its ops here
-            super().init_model_from_pretrained(strategy, *args, **kwargs)
-        # strategy.args is OpenRLHF's nested args, to which launch.run_openrlhf's wrapper of
-        # its hierarchize adds drpo_run (the run's options) and drpo (its DRPOConfig)
-        chunked_actor.install(self.actor, strategy.args.drpo_run.logprob_chunk_tokens)
-        self._enable_drpo(strategy.args.drpo)
-
-    def _enable_drpo(self, config: DRPOConfig) -> None:
-        """DRPO's loss on the trainer OpenRLHF built, with a warning when a resume changes the
-        checkpoint's DRPO settings. The class is swapped rather than a second trainer built:
-        the constructor opened the vLLM weight-sync group, which must exist exactly once."""
-        upstream.swap_class(self.trainer, DRPOActorTrainer)
-        self.trainer.enable_drpo(config)
-        warn_if_settings_changed(self.checkpoint_states.get(DRPO_STATE), config)
-
-    def save_checkpoint(self, tag, client_states=None, metric_value=None, metric_key=None):
-        states = {**(client_states or {}), DRPO_STATE: asdict(self.trainer.drpo)}
-        return super().save_checkpoint(tag, states, metric_value, metric_key)
+# our keys in OpenRLHF's checkpoint client state (the actor's: policy_actors.DRPO_STATE)
+SHAPING_STATE, GAP_STATE = "shaping", "logprob_gap"
 
 
 def gap_state_for(saved: dict | None, param_dtype: str) -> tuple[dict | None, str | None]:
@@ -515,55 +442,6 @@ class _GroupAwarePPOTrainer(
         install_samples_generator(self.samples_generator, StoppableSamplesGenerator)
 
 
-# The engine actors' mixins add remote methods; only generate_responses is chained: a call
-# passes through WeightVersionEngine, EngineTaggingEngine and PositiveRewardEngine (the bases'
-# order) to OpenRLHF's RolloutRayActor.
-class _CPURolloutRayActor(
-    WeightVersionEngine,
-    EngineTaggingEngine,
-    RewardOptionsEngine,
-    PositiveRewardEngine,
-    SyncReportingEngine,
-    vllm_engine.RolloutRayActor.__ray_actor_class__,
-):
-    """OpenRLHF's vLLM engine actor with the CPU worker extension (``cpu_support``), the run's
-    CPU dtype (``cpu_dtype``), the reward guard (``reward_guard``) and DRPO's positive reward
-    (``positive_engine``).
-
-    Its one worker runs inside vLLM's engine-core process: vLLM's CPU platform turns
-    OpenRLHF's single-process executor into a multiprocess one unless V1 multiprocessing is
-    off, which costs a third process importing vLLM (about 10 s of every CPU start-up)."""
-
-    async def __init__(self, *args, **kwargs):
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        kwargs["worker_extension_cls"] = CPU_WORKER_EXTENSION
-        kwargs["dtype"] = cpu_dtype.engine_dtype()  # create_vllm_engines says bfloat16
-        await super().__init__(*args, **kwargs)
-        guard_engine_rewards(self.executor)
-
-
-class _GPURolloutRayActor(
-    WeightVersionEngine,
-    EngineTaggingEngine,
-    RewardOptionsEngine,
-    PositiveRewardEngine,
-    SyncReportingEngine,
-    vllm_engine.RolloutRayActor.__ray_actor_class__,
-):
-    """OpenRLHF's vLLM engine actor whose workers record and digest each weight sync, with the
-    reward guard (``reward_guard``) and DRPO's positive reward (``positive_engine``)."""
-
-    async def __init__(self, *args, **kwargs):
-        kwargs["worker_extension_cls"] = GPU_WORKER_EXTENSION
-        await super().__init__(*args, **kwargs)
-        guard_engine_rewards(self.executor)
-
-
-# OpenRLHF's train() (cli/train_ppo_ray.py) creates these through the names PolicyModelActor,
-# RolloutRayActor and PPOTrainer, which launch.run_openrlhf's "driver" site of upstream.TABLE
-# points at them before it runs OpenRLHF's __main__.
-DRPOPolicyModelActor = ray.remote(num_gpus=1)(_DRPOPolicyModelActor)
-BaselinePolicyModelActor = ray.remote(num_gpus=1)(_BaselinePolicyModelActor)
-CPURolloutRayActor = ray.remote(_CPURolloutRayActor)
-GPURolloutRayActor = ray.remote(_GPURolloutRayActor)
+# OpenRLHF's train() (cli/train_ppo_ray.py) creates it through the name PPOTrainer, which
+# launch.run_openrlhf's "driver" site of upstream.TABLE points at.
 GroupAwarePPOTrainer = ray.remote(_GroupAwarePPOTrainer)

@@ -34,7 +34,6 @@ from contextlib import contextmanager
 from functools import partial, wraps
 from typing import Any, TypeVar
 
-import deepspeed
 import ray
 import torch
 from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
@@ -158,6 +157,8 @@ class SentDigestsActor:
         """On rank 0, name -> (shape as sent, digest or None) of every tensor a sync sends
         (``broadcast_to_vllm``'s selection); the digests need each parameter gathered, on every
         rank, as the sync gathers it."""
+        import deepspeed  # here: the engines import this module, and DeepSpeed is the actor's
+
         trainer, rank0 = self.trainer, torch.distributed.get_rank() == 0
         args = trainer.strategy.args
         model = trainer.actor.model.module
