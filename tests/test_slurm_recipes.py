@@ -412,6 +412,12 @@ def test_loopback_host_name_asks_for_net_iface(jobs: Jobs) -> None:
     assert run.calls == []
 
 
+# The launcher's poll of a real Ray head (the recipes' default is 5 s): each poll is a `ray
+# status` process, about 1 CPU-s, so a poll a second took a core from the suite while a head
+# started (40 s and more under a slow dashboard); every 3 s costs at most 2 s of waiting.
+REAL_RAY_POLL_S = "3"
+
+
 def slow_dashboard_site(site: Path, seconds: float, slowed: Path) -> Path:
     """A sitecustomize (in ``site``) under which each module process of Ray's head dashboard
     (multiprocessing's spawn children of ``ray/dashboard/dashboard.py``) first sleeps
@@ -469,7 +475,7 @@ def real_ray_launch(
         "RAY_DASHBOARD_PORT": str(free_port()),
         # another Ray on this machine may hold the agent's and the client server's defaults
         "RAY_START_ARGS": ports,
-        "RAY_POLL_INTERVAL": "1",
+        "RAY_POLL_INTERVAL": REAL_RAY_POLL_S,
         "RAY_WAIT_TIMEOUT": "300",
     }
     out = tmp_path / "job.out"
@@ -628,7 +634,7 @@ def test_real_pipeline_requeues_and_resumes(cluster: SlurmCluster, toy, tmp_path
         # any other Ray on this machine (a test's local cluster) holds the agent's default
         # port, 52365; the head's job agent then never starts and no job can be submitted
         "RAY_START_ARGS": f"--dashboard-agent-listen-port={free_port()}",
-        "RAY_POLL_INTERVAL": "1",
+        "RAY_POLL_INTERVAL": REAL_RAY_POLL_S,
         "RAY_WAIT_TIMEOUT": "120",
     }
     out = tmp_path / "job.out"
