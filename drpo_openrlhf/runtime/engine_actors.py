@@ -28,7 +28,7 @@ from drpo_openrlhf.sync.weight_version import WeightVersionEngine
 # The engine actors' mixins add remote methods; only generate_responses is chained: a call
 # passes through WeightVersionEngine, EngineTaggingEngine and PositiveRewardEngine (the bases'
 # order) to OpenRLHF's RolloutRayActor.
-class _CPURolloutRayActor(
+class _RolloutRayActor(
     WeightVersionEngine,
     EngineTaggingEngine,
     RewardOptionsEngine,
@@ -36,37 +36,36 @@ class _CPURolloutRayActor(
     SyncReportingEngine,
     vllm_engine.RolloutRayActor.__ray_actor_class__,
 ):
-    """OpenRLHF's vLLM engine actor with the CPU worker extension (``cpu_support``), the run's
-    CPU dtype (``cpu_dtype``), the reward guard (``reward_guard``) and DRPO's positive reward
-    (``positive_engine``).
+    """OpenRLHF's vLLM engine actor whose workers get ``worker_extension`` (they record and
+    digest each weight sync), with the reward guard (``reward_guard``) and DRPO's positive
+    reward (``positive_engine``)."""
+
+    worker_extension: str
+
+    async def __init__(self, *args, **kwargs):
+        kwargs["worker_extension_cls"] = self.worker_extension
+        await super().__init__(*args, **kwargs)
+        guard_engine_rewards(self.executor)
+
+
+class _CPURolloutRayActor(_RolloutRayActor):
+    """The engine actor of a CPU run: the CPU worker extension (``cpu_support``) and the
+    run's CPU dtype (``cpu_dtype``).
 
     Its one worker runs inside vLLM's engine-core process: vLLM's CPU platform turns
     OpenRLHF's single-process executor into a multiprocess one unless V1 multiprocessing is
     off, which costs a third process importing vLLM (about 10 s of every CPU start-up)."""
 
+    worker_extension = CPU_WORKER_EXTENSION
+
     async def __init__(self, *args, **kwargs):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        kwargs["worker_extension_cls"] = CPU_WORKER_EXTENSION
         kwargs["dtype"] = cpu_dtype.engine_dtype()  # create_vllm_engines says bfloat16
         await super().__init__(*args, **kwargs)
-        guard_engine_rewards(self.executor)
 
 
-class _GPURolloutRayActor(
-    WeightVersionEngine,
-    EngineTaggingEngine,
-    RewardOptionsEngine,
-    PositiveRewardEngine,
-    SyncReportingEngine,
-    vllm_engine.RolloutRayActor.__ray_actor_class__,
-):
-    """OpenRLHF's vLLM engine actor whose workers record and digest each weight sync, with the
-    reward guard (``reward_guard``) and DRPO's positive reward (``positive_engine``)."""
-
-    async def __init__(self, *args, **kwargs):
-        kwargs["worker_extension_cls"] = GPU_WORKER_EXTENSION
-        await super().__init__(*args, **kwargs)
-        guard_engine_rewards(self.executor)
+class _GPURolloutRayActor(_RolloutRayActor):
+    worker_extension = GPU_WORKER_EXTENSION
 
 
 # OpenRLHF's create_vllm_engines creates them through the name RolloutRayActor, which
