@@ -15,7 +15,6 @@ would re-use the process's default group, which DeepSpeed and vLLM already own.
 from __future__ import annotations
 
 import importlib.abc
-import importlib.machinery
 import logging
 import sys
 from collections.abc import Callable
@@ -124,8 +123,8 @@ MODEL_SIDE = "openrlhf.trainer.ray.launcher"
 
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Runs ``then`` once the module ``name`` has been executed, the first time it is imported
-    (Python has no post-import hook): its spec comes from the path finder, whose loader runs
-    ``then`` after the module's code."""
+    (Python has no post-import hook): its spec comes from the finders after this one, in
+    Python's own order, and its loader runs ``then`` after the module's code."""
 
     def __init__(self, name: str, then: Callable[[], None]):
         self.name, self.then = name, then
@@ -134,7 +133,10 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         if fullname != self.name:
             return None
         sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        spec = next(
+            (s for f in sys.meta_path if (s := f.find_spec(fullname, path, target)) is not None),
+            None,
+        )
         if spec is not None and spec.loader is not None:
             exec_module = spec.loader.exec_module
 
